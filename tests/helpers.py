@@ -11,9 +11,7 @@ T = TypeVar("T")
 __all__ = ["wait_for"]
 
 
-def wait_for(
-    predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02
-) -> T:
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
     """Poll ``predicate`` until it returns a truthy value; return that value.
 
     Raises:

@@ -1,0 +1,321 @@
+"""Worker-side preemption notice and progress heartbeat, and the agent's side of both.
+
+Two small files connect a node's agent with the training processes (workers) it starts;
+their paths reach the workers through the environment:
+
+* ``SLURM_ELASTIC_NOTICE_FILE``: when the node is being preempted or stopped, the agent
+  creates this file (:func:`raise_notice`) **and** sends the preempt signal (``SIGUSR2``
+  by default) to its workers. A worker asks :func:`preemption_requested` at each step
+  boundary; it returns True once either happened, and the training loop checkpoints and
+  leaves. The signal handler (:func:`install_preemption_handler`) only sets a flag: saving
+  a checkpoint inside a handler can run mid-backward and never finish (Lightning #21406).
+  The file covers what the signal cannot: a worker that had not installed the handler yet,
+  or a notice raised while the worker was being (re)started.
+* ``SLURM_ELASTIC_HEARTBEAT_FILE``: :func:`report_progress` records the last finished step
+  so the agent's hang watchdog (:func:`last_progress`) can tell a slow job from a stuck one.
+
+Heartbeat format and cost: one line of fixed width, ``"<step:20d> <unix time:20.6f>\\n"``
+(42 bytes), rewritten in place with ``pwrite`` at offset 0 through a descriptor kept open,
+at most every :data:`PROGRESS_MIN_INTERVAL_S` seconds (the first call and a call after a
+longer pause always write). A call that does not write costs one ``time.monotonic()`` and
+a comparison. Same-length in-place writes of one small block never show a reader a line of
+the wrong length; a reader that still gets an unparsable line falls back to the file's
+mtime. Several workers of one node may share one heartbeat file: the last writer wins, so
+the watchdog sees "some local worker made progress" - in a collective job a hung rank
+stalls its peers too. The time is the writer's wall clock; the reader is the agent of the
+same node, so there is no clock skew to worry about. Keep both files on a node-local
+filesystem (the agent's choice); they hold no state worth keeping.
+
+Notice file check cost: :func:`preemption_requested` stats the notice file at most every
+:data:`NOTICE_POLL_INTERVAL_S` seconds; the signal path is immediate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal as _signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import NamedTuple
+
+from slurm_elastic.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_PREEMPT_SIGNAL",
+    "HEARTBEAT_FILE_ENV",
+    "NOTICE_FILE_ENV",
+    "NOTICE_POLL_INTERVAL_S",
+    "PREEMPT_SIGNAL_ENV",
+    "PROGRESS_MIN_INTERVAL_S",
+    "Progress",
+    "clear_notice",
+    "install_preemption_handler",
+    "last_progress",
+    "notice_raised",
+    "parse_signal",
+    "preemption_requested",
+    "raise_notice",
+    "report_progress",
+]
+
+log = logging.getLogger(__name__)
+
+NOTICE_FILE_ENV = "SLURM_ELASTIC_NOTICE_FILE"
+HEARTBEAT_FILE_ENV = "SLURM_ELASTIC_HEARTBEAT_FILE"
+#: The config field ``preempt_signal`` as an environment variable (config precedence rule).
+PREEMPT_SIGNAL_ENV = "SLURM_ELASTIC_PREEMPT_SIGNAL"
+DEFAULT_PREEMPT_SIGNAL = "USR2"
+
+PROGRESS_MIN_INTERVAL_S = 0.5
+NOTICE_POLL_INTERVAL_S = 0.2
+
+_LINE_FORMAT = "{step:20d} {time:20.6f}\n"
+_LINE_LENGTH = 42
+
+
+class Progress(NamedTuple):
+    """The last progress a worker reported.
+
+    Attributes:
+        step: the step number passed to :func:`report_progress` (-1 when the file exists
+            but its content could not be parsed).
+        time: Unix time of that report (wall clock of the same node).
+    """
+
+    step: int
+    time: float
+
+
+def parse_signal(sig: str | int | _signal.Signals) -> _signal.Signals:
+    """Turn ``"USR2"``, ``"SIGUSR2"``, ``12`` or ``signal.SIGUSR2`` into a signal.
+
+    Raises:
+        ConfigError: the name or number is not a signal of this platform.
+    """
+    if isinstance(sig, _signal.Signals):
+        return sig
+    if isinstance(sig, int):
+        try:
+            return _signal.Signals(sig)
+        except ValueError as exc:
+            raise ConfigError(
+                f"preempt signal {sig!r} is not a signal number on this platform; "
+                "use a name such as 'USR2'"
+            ) from exc
+    name = str(sig).strip().upper()
+    if name.isdigit():
+        return parse_signal(int(name))
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        return _signal.Signals[name]
+    except KeyError as exc:
+        raise ConfigError(
+            f"preempt signal {sig!r} is not a known signal; use a name such as 'USR2' or 'USR1'"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------
+# preemption notice: worker side
+
+_flag = threading.Event()
+_handled_signal: _signal.Signals | None = None
+_notice_checked_at = -float("inf")
+_notice_seen = False
+
+
+def _on_preempt_signal(signum: int, frame: FrameType | None) -> None:
+    # Only set a flag: anything heavier (a checkpoint) may run in the middle of a step.
+    _flag.set()
+
+
+def install_preemption_handler(
+    sig: str | int | _signal.Signals | None = None,
+) -> _signal.Signals:
+    """Install a handler that records the preempt signal; idempotent.
+
+    Args:
+        sig: the signal to handle; default ``$SLURM_ELASTIC_PREEMPT_SIGNAL`` or ``USR2``
+            (the agent sends the one in its config, which it also exports).
+
+    Returns:
+        The signal now handled.
+
+    Raises:
+        ConfigError: ``sig`` is not a signal.
+        ValueError: called outside the main thread (Python only lets the main thread
+            install signal handlers).
+    """
+    global _handled_signal
+    resolved = parse_signal(
+        sig if sig is not None else os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL)
+    )
+    _signal.signal(resolved, _on_preempt_signal)
+    _handled_signal = resolved
+    log.debug("preemption handler installed for %s", resolved.name)
+    return resolved
+
+
+def _ensure_handler() -> None:
+    # A worker that never installed the handler would be *killed* by SIGUSR2's default
+    # action; install it lazily on first use when that is still possible and harmless.
+    if _handled_signal is not None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        sig = parse_signal(os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL))
+    except ConfigError:
+        return
+    if _signal.getsignal(sig) in (_signal.SIG_DFL, None):
+        install_preemption_handler(sig)
+
+
+def preemption_requested() -> bool:
+    """Return True once this node was told to stop (signal received or notice file raised).
+
+    Call it at step boundaries; when it returns True, save a checkpoint and exit. It stays
+    True for the rest of the process. The first call installs the signal handler if none
+    is installed for the preempt signal yet (main thread only).
+    """
+    global _notice_checked_at, _notice_seen
+    if _flag.is_set() or _notice_seen:
+        return True
+    _ensure_handler()
+    path = os.environ.get(NOTICE_FILE_ENV)
+    if path:
+        now = time.monotonic()
+        if now - _notice_checked_at >= NOTICE_POLL_INTERVAL_S:
+            _notice_checked_at = now
+            if os.path.exists(path):
+                _notice_seen = True
+                log.info("preemption notice file %s found", path)
+                return True
+    return _flag.is_set()
+
+
+# ---------------------------------------------------------------------------------------
+# preemption notice: agent side
+
+
+def raise_notice(path: str | os.PathLike[str], reason: str = "preempt") -> None:
+    """Create the notice file atomically (write a temporary file, then rename).
+
+    Args:
+        path: the notice file (``SLURM_ELASTIC_NOTICE_FILE`` of the workers).
+        reason: a word recorded in the file, e.g. ``"preempt"``, ``"stop"``.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{reason} {time.time():.6f}\n", encoding="utf-8")
+    os.replace(tmp, target)
+    log.debug("notice %s raised at %s", reason, target)
+
+
+def notice_raised(path: str | os.PathLike[str]) -> bool:
+    """Return whether the notice file exists."""
+    return os.path.exists(path)
+
+
+def clear_notice(path: str | os.PathLike[str]) -> None:
+    """Remove the notice file if present (e.g. before starting a fresh set of workers)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+# ---------------------------------------------------------------------------------------
+# progress heartbeat
+
+
+class _HeartbeatWriter:
+    """Keeps the heartbeat file open and rate-limits writes."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.fd: int | None = None
+        self.last_write = -float("inf")
+
+    def write(self, path: str, step: int, force: bool) -> bool:
+        now = time.monotonic()
+        if not force and path == self.path and now - self.last_write < PROGRESS_MIN_INTERVAL_S:
+            return False
+        if path != self.path or self.fd is None:
+            self.close()
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            self.path = path
+        line = _LINE_FORMAT.format(step=step, time=time.time())
+        os.pwrite(self.fd, line.encode("ascii"), 0)
+        self.last_write = now
+        return True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        self.fd = None
+        self.path = None
+
+
+_writer = _HeartbeatWriter()
+_writer_lock = threading.Lock()
+
+
+def report_progress(
+    step: int, *, path: str | os.PathLike[str] | None = None, force: bool = False
+) -> bool:
+    """Record that ``step`` finished, for the agent's hang watchdog; cheap enough per step.
+
+    Args:
+        step: a counter that grows while training makes progress (e.g. the global step).
+        path: the heartbeat file; default ``$SLURM_ELASTIC_HEARTBEAT_FILE``. Without
+            either this is a no-op, so training scripts may call it unconditionally.
+        force: write even if the last write is younger than ``PROGRESS_MIN_INTERVAL_S``.
+
+    Returns:
+        Whether the file was written by this call.
+    """
+    target = os.fspath(path) if path is not None else os.environ.get(HEARTBEAT_FILE_ENV)
+    if not target:
+        return False
+    # the fast path, without taking the lock
+    if (
+        not force
+        and target == _writer.path
+        and time.monotonic() - _writer.last_write < PROGRESS_MIN_INTERVAL_S
+    ):
+        return False
+    with _writer_lock:
+        try:
+            return _writer.write(target, int(step), force)
+        except OSError as exc:
+            # a full or vanished disk must not kill training; the watchdog will notice
+            log.debug("cannot write heartbeat %s: %s", target, exc)
+            _writer.close()
+            return False
+
+
+def last_progress(path: str | os.PathLike[str]) -> Progress | None:
+    """Read the last progress reported to ``path``.
+
+    Returns:
+        ``None`` when nothing was reported yet (no file), else the :class:`Progress`.
+        An unreadable or torn line gives ``Progress(-1, <file mtime>)``.
+    """
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(_LINE_LENGTH + 1)
+            mtime = os.fstat(fh.fileno()).st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        text = raw.decode("ascii")
+        if len(text) != _LINE_LENGTH or not text.endswith("\n"):
+            raise ValueError(f"heartbeat line of length {len(text)}")
+        step_s, time_s = text.split()
+        return Progress(int(step_s), float(time_s))
+    except ValueError:
+        return Progress(-1, mtime)
