@@ -1,0 +1,254 @@
+"""The on-disk layout of one checkpoint and its manifest (the commit record).
+
+Layout under a checkpoint directory ``<dir>``::
+
+    <dir>/step_<N>/manifest.json      the commit record, written last
+    <dir>/step_<N>/<data files>       state.pt (replicated) or DCP files (sharded)
+    <dir>/.tmp-step_<N>-<uuid>/       a save in progress (or one killed mid-way)
+
+A save writes everything into ``.tmp-step_<N>-<uuid>/`` (data, then the manifest), fsyncs
+each file and the directory, and then renames the directory to ``step_<N>`` and fsyncs
+``<dir>``. Why a directory rename rather than "write ``step_<N>/`` in place, manifest last":
+
+* ``rename(2)`` of a directory within one parent is atomic on local filesystems, on Lustre
+  (one MDS operation) and on NFS (one server-side RENAME); readers that list ``step_*``
+  therefore only ever see complete checkpoints, with no reliance on the reader checking
+  for a marker first, and no half-written ``step_<N>`` that a careless tool (or a
+  user's ``ls | tail -1``) could pick up.
+* The manifest still lives inside and carries sizes and CRC32s of every data file, so a
+  committed checkpoint that was later truncated or bit-flipped (a torn copy, a failing
+  OST) is detected on load. Commit = rename; integrity = manifest.
+
+Only ``rename``, ``fsync`` and ``mkdir`` are relied upon: no ``flock`` (unsafe on
+Lustre with ``localflock``), no hard links, no ``O_EXCL``.
+
+CRC32 (``zlib.crc32``) was chosen over BLAKE2b because it runs at ~3 GB/s here against
+~0.6 GB/s, so it is computed inline while writing without lowering save bandwidth; it
+detects truncation and bit flips, which is its job (it is not a defence against tampering).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_elastic.errors import CheckpointCorruptError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "FileRecord",
+    "Manifest",
+    "crc32_file",
+    "fsync_dir",
+    "parse_step_dir",
+    "read_manifest",
+    "step_dir_name",
+    "verify_checkpoint",
+    "write_manifest",
+]
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 16 << 20
+
+
+def step_dir_name(step: int) -> str:
+    """Return the committed directory name for ``step`` (``step_<N>``)."""
+    return f"step_{step}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """Return the step encoded in a committed directory name, or ``None`` if it is not one."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One data file of a checkpoint: its name (relative), size in bytes and CRC32."""
+
+    name: str
+    bytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one checkpoint.
+
+    Attributes:
+        step: the training step the checkpoint belongs to.
+        kind: ``"replicated"`` (one ``state.pt`` written by rank 0) or ``"sharded"``
+            (``torch.distributed.checkpoint`` files written by every rank).
+        world_size: the number of ranks at save time.
+        files: every data file with size and CRC32.
+        created: Unix time of the commit.
+        metadata: small JSON-able user fields (epoch, sample offset, ...).
+    """
+
+    step: int
+    kind: str
+    world_size: int
+    files: tuple[FileRecord, ...]
+    created: float = field(default_factory=time.time)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the data file sizes."""
+        return sum(f.bytes for f in self.files)
+
+    def to_json(self) -> str:
+        """Serialize to the JSON text stored in ``manifest.json``."""
+        return json.dumps(
+            {
+                "format_version": self.format_version,
+                "step": self.step,
+                "kind": self.kind,
+                "world_size": self.world_size,
+                "created": self.created,
+                "total_bytes": self.total_bytes,
+                "files": [{"name": f.name, "bytes": f.bytes, "crc32": f.crc32} for f in self.files],
+                "metadata": dict(self.metadata),
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: Path) -> Manifest:
+        """Parse manifest text; raise :class:`CheckpointCorruptError` naming ``source``."""
+        try:
+            raw = json.loads(text)
+            files = tuple(
+                FileRecord(str(f["name"]), int(f["bytes"]), int(f["crc32"])) for f in raw["files"]
+            )
+            return cls(
+                step=int(raw["step"]),
+                kind=str(raw["kind"]),
+                world_size=int(raw["world_size"]),
+                files=files,
+                created=float(raw["created"]),
+                metadata=dict(raw.get("metadata", {})),
+                format_version=int(raw["format_version"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorruptError(
+                f"checkpoint manifest {source} is unreadable ({exc}); the checkpoint is "
+                "incomplete or damaged and will not be loaded"
+            ) from exc
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that entries created/renamed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``directory/manifest.json`` durably (tmp file, fsync, rename)."""
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    data = manifest.to_json().encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Read the manifest of a committed checkpoint directory.
+
+    Raises:
+        CheckpointCorruptError: no manifest, or it cannot be parsed.
+    """
+    path = directory / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} has no {MANIFEST_NAME}; it was not committed by "
+            "slurm_elastic (or was damaged) and will not be loaded"
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"cannot read manifest {path}: {exc}") from exc
+    return Manifest.from_json(text, source=path)
+
+
+def crc32_file(path: Path, *, buffer: bytearray | None = None) -> tuple[int, int]:
+    """Return ``(size, crc32)`` of a file, read sequentially in large chunks."""
+    buf = buffer if buffer is not None else bytearray(_CHUNK)
+    view = memoryview(buf)
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            n = fh.readinto(view)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+def verify_checkpoint(
+    directory: Path,
+    *,
+    deep: bool = True,
+    on_progress: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Check that a committed checkpoint is complete and intact.
+
+    Args:
+        directory: a ``step_<N>`` directory.
+        deep: also recompute every file's CRC32 (reads all data); otherwise check sizes only.
+        on_progress: called with each file name before it is checked (for tests/logging).
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointCorruptError: naming the directory, the file and what is wrong.
+    """
+    manifest = read_manifest(directory)
+    buffer = bytearray(_CHUNK) if deep else None
+    for rec in manifest.files:
+        if on_progress is not None:
+            on_progress(rec.name)
+        path = directory / rec.name
+        try:
+            if deep:
+                size, crc = crc32_file(path, buffer=buffer)
+            else:
+                size, crc = path.stat().st_size, rec.crc32
+        except OSError as exc:
+            raise CheckpointCorruptError(
+                f"checkpoint {directory}: data file {rec.name} is unreadable ({exc})"
+            ) from exc
+        if size != rec.bytes:
+            raise CheckpointCorruptError(
+                f"checkpoint {directory}: {rec.name} has {size} bytes, manifest says "
+                f"{rec.bytes} (truncated or overwritten)"
+            )
+        if crc != rec.crc32:
+            raise CheckpointCorruptError(
+                f"checkpoint {directory}: {rec.name} fails its CRC32 check "
+                f"({crc:#010x} != {rec.crc32:#010x}; flipped bytes)"
+            )
+    return manifest
