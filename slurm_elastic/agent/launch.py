@@ -1,0 +1,396 @@
+"""``run_agent``: the one place where configuration is wired into torch's objects.
+
+It mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous parameters, worker
+spec, agent, shutdown) and adds what a Slurm node needs:
+
+* the preemption path: the notice signal (``preempt_signal``, USR2 by default) or SIGTERM
+  creates the node's notice file and is forwarded to the workers, which checkpoint and
+  exit (``slurm_elastic.notice``); the agent waits up to ``shutdown_timeout_s`` for them,
+  leaves the rendezvous *without closing it* (survivors re-form at once), and requeues
+  only its own job or array task when the policy allows;
+* the end of a run: on success the rendezvous is closed and the array's still-pending
+  tasks are cancelled, so nothing of the job stays in the queue; a node that comes back
+  after the run was closed exits 0 at once;
+* exit codes that say what happened (:class:`~slurm_elastic.agent.exit_codes.ExitCode`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+)
+
+from slurm_elastic import events, notice
+from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
+from slurm_elastic.agent.exit_codes import ExitCode
+from slurm_elastic.config import ElasticConfig
+from slurm_elastic.errors import AgentError, SlurmElasticError, SlurmError
+from slurm_elastic.slurm.env import SlurmEnv
+
+__all__ = ["WORKER_ENV", "rendezvous_parameters", "run_agent"]
+
+log = logging.getLogger(__name__)
+
+#: Variables the agent adds to its workers' environment (besides torch's).
+WORKER_ENV = (
+    "SLURM_ELASTIC_RUN_ID",
+    "SLURM_ELASTIC_CHECKPOINT_DIR",
+    "SLURM_ELASTIC_EVENTS_DIR",
+    "SLURM_ELASTIC_REQUEUE_COUNT",
+    notice.NOTICE_FILE_ENV,
+    notice.HEARTBEAT_FILE_ENV,
+    notice.PREEMPT_SIGNAL_ENV,
+)
+
+_TORCH_BACKENDS_INT_TIMEOUTS = ("c10d", "etcd-v2", "etcd", "static")
+
+
+def _seconds(value: float, backend: str) -> str:
+    # torch's handlers read timeouts with get_as_int; ours accepts fractions.
+    if backend in _TORCH_BACKENDS_INT_TIMEOUTS:
+        return str(max(1, math.ceil(value)))
+    return repr(float(value))
+
+
+def rendezvous_parameters(
+    config: ElasticConfig, extra_conf: Mapping[str, str] | None = None
+) -> RendezvousParameters:
+    """Translate the config into torch's ``RendezvousParameters`` for any backend."""
+    if config.run_id is None:
+        raise AgentError(
+            "no run id: outside a Slurm job pass --rdzv-id (or run_id in the config file)"
+        )
+    backend = config.rdzv_backend
+    endpoint = str(config.rdzv_dir) if backend == "slurm" else (config.rdzv_endpoint or "")
+    if backend != "slurm" and not endpoint:
+        raise AgentError(
+            f"rdzv_backend {backend!r} needs --rdzv-endpoint HOST:PORT (e.g. an etcd server)"
+        )
+    conf: dict[str, Any] = {
+        "join_timeout": _seconds(config.join_timeout_s, backend),
+        "last_call_timeout": _seconds(config.last_call_timeout_s, backend),
+        "close_timeout": _seconds(config.close_timeout_s, backend),
+    }
+    if backend == "slurm":
+        conf["heartbeat_interval"] = _seconds(config.heartbeat_interval_s, backend)
+        conf["heartbeat_miss_limit"] = str(config.heartbeat_miss_limit)
+    else:
+        conf["keep_alive_interval"] = _seconds(config.heartbeat_interval_s, backend)
+        conf["keep_alive_max_attempt"] = str(config.heartbeat_miss_limit)
+    conf.update(extra_conf or {})
+    return RendezvousParameters(
+        backend=backend,
+        endpoint=endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **conf,
+    )
+
+
+class _Stop:
+    """What asked the agent to stop; set from signal handlers (main thread only)."""
+
+    def __init__(self, notice_signal: signal.Signals, notice_file: Path) -> None:
+        self.notice_signal = notice_signal
+        self.notice_file = notice_file
+        self.noticed = False  # preemption/time-limit notice seen
+        self.stopping = False  # a SignalException is already on its way
+        self.signals: list[str] = []
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        self.signals.append(sig.name)
+        if sig == self.notice_signal:
+            self.noticed = True
+        # Workers learn of it from the file even before the forwarded signal arrives.
+        notice.raise_notice(self.notice_file, reason=sig.name)
+        if self.stopping:
+            return  # e.g. Slurm's SIGTERM after the USR2 notice: already shutting down
+        self.stopping = True
+        log.warning("received %s: stopping workers (they checkpoint first)", sig.name)
+        events.emit("agent.signal", signal=sig.name, notice=self.noticed)
+        # torch's agent forwards ``sigval`` to the workers and waits shutdown_timeout_s:
+        # forward the notice signal, which workers handle (checkpoint, then exit), even
+        # for SIGTERM, whose default action would kill them before they can save.
+        raise SignalException(f"agent {os.getpid()} got {sig.name}", sigval=self.notice_signal)
+
+
+def _python_entrypoint(entrypoint: str, args: Sequence[str], module: bool) -> tuple[str, tuple]:
+    if module:
+        return sys.executable, ("-u", "-m", entrypoint, *args)
+    return sys.executable, ("-u", entrypoint, *args)
+
+
+def run_agent(
+    config: ElasticConfig,
+    entrypoint: str,
+    args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    redirects: str = "0",
+    tee: str = "0",
+    rdzv_conf: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    client: Any = None,
+) -> int:
+    """Run this node's agent until the run finishes, fails, or the node is preempted.
+
+    Args:
+        config: the resolved configuration.
+        entrypoint: the training script (or module with ``module=True``).
+        args: its arguments.
+        module: run ``python -m entrypoint``.
+        redirects: torchrun's ``--redirects`` (0 none, 1 stdout, 2 stderr, 3 both).
+        tee: torchrun's ``--tee``.
+        rdzv_conf: extra rendezvous settings (torchrun's ``--rdzv-conf``).
+        environ: the environment to read Slurm from (default ``os.environ``).
+        client: a ``slurm_elastic.slurm.commands.SlurmClient`` (default: a new one).
+
+    Returns:
+        An :class:`ExitCode`.
+    """
+    env = os.environ if environ is None else environ
+    slurm = SlurmEnv.from_environ(env)
+    node_dir = Path(tempfile.mkdtemp(prefix="slurm-elastic-node-"))
+    notice_file = node_dir / "notice"
+    heartbeat_file = node_dir / "progress"
+    try:
+        return _run(
+            config,
+            entrypoint,
+            args,
+            module,
+            redirects,
+            tee,
+            rdzv_conf,
+            slurm,
+            client,
+            notice_file,
+            heartbeat_file,
+        )
+    finally:
+        shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def _worker_environment(
+    config: ElasticConfig, slurm: SlurmEnv, notice_file: Path, heartbeat_file: Path
+) -> dict[str, str]:
+    values = {
+        "SLURM_ELASTIC_RUN_ID": config.run_id,
+        "SLURM_ELASTIC_CHECKPOINT_DIR": config.checkpoint_dir,
+        "SLURM_ELASTIC_EVENTS_DIR": config.events_dir,
+        "SLURM_ELASTIC_REQUEUE_COUNT": slurm.restart_count,
+        notice.NOTICE_FILE_ENV: notice_file,
+        notice.HEARTBEAT_FILE_ENV: heartbeat_file,
+        notice.PREEMPT_SIGNAL_ENV: config.preempt_signal,
+        # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
+    }
+    return {k: str(v) for k, v in values.items() if v is not None}
+
+
+def _run(
+    config: ElasticConfig,
+    entrypoint: str,
+    args: Sequence[str],
+    module: bool,
+    redirects: str,
+    tee: str,
+    rdzv_conf: Mapping[str, str] | None,
+    slurm: SlurmEnv,
+    client: Any,
+    notice_file: Path,
+    heartbeat_file: Path,
+) -> int:
+    os.environ.update(_worker_environment(config, slurm, notice_file, heartbeat_file))
+    log.info("agent config: %s", config.as_dict())
+    events.emit(
+        "agent.start",
+        config=config.as_dict(),
+        requeue_count=slurm.restart_count,
+        job=slurm.own_job_ref,
+    )
+
+    stop = _Stop(config.preempt_signum, notice_file)
+    for sig in {config.preempt_signum, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}:
+        signal.signal(sig, stop.handler)
+
+    try:
+        params = rendezvous_parameters(config, rdzv_conf)
+        handler = rdzv_registry.get_rendezvous_handler(params)
+    except (SlurmElasticError, RendezvousError, ValueError) as exc:
+        log.error("cannot set up the rendezvous: %s", exc)
+        events.emit("agent.exit", code=ExitCode.RENDEZVOUS_FAILED.name, error=str(exc))
+        return ExitCode.RENDEZVOUS_FAILED
+
+    cmd, cmd_args = _python_entrypoint(entrypoint, args, module)
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=config.nproc_per_node or 1,
+        entrypoint=cmd,
+        args=cmd_args,
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval_s,
+        local_addr=config.local_addr,
+    )
+    started_at = [time.time()]
+
+    def on_started(group: WorkerGroup) -> None:
+        started_at[0] = time.time()
+        # A new round starts clean: no stale notice, no progress from the last attempt.
+        notice.clear_notice(notice_file)
+        notice.clear_notice(heartbeat_file)
+
+    def progress_age_s() -> float:
+        last = notice.last_progress(heartbeat_file)
+        newest = max(started_at[0], last.time) if last else started_at[0]
+        return time.time() - newest
+
+    agent = SlurmElasticAgent(
+        spec=spec,
+        logs_specs=DefaultLogsSpecs(
+            log_dir=str(config.log_dir) if config.log_dir else None,
+            redirects=Std.from_str(redirects),
+            tee=Std.from_str(tee),
+        ),
+        start_method="spawn",
+        exit_barrier_timeout=max(60.0, config.close_timeout_s),
+        shutdown_timeout=max(1, math.ceil(config.shutdown_timeout_s)),
+        progress_age_s=progress_age_s,
+        hang_timeout_s=config.hang_timeout_s,
+        on_workers_started=on_started,
+    )
+
+    code = ExitCode.FAILED
+    try:
+        result = agent.run()
+        if result is None or not result.is_failed():
+            # None: a spare that the finished run let go (RendezvousGracefulExitError).
+            code = ExitCode.FINISHED
+        else:
+            log.error(
+                "workers failed and max_restarts=%s is spent: %s",
+                config.max_restarts,
+                result.failures,
+            )
+            code = ExitCode.FAILED
+    except SignalException:
+        code = _after_signal(config, slurm, client, handler, stop)
+        return code
+    except (RendezvousClosedError, RendezvousGracefulExitError):
+        log.info("the run %s is already finished: nothing to do", config.run_id)
+        code = ExitCode.FINISHED
+        return code
+    except RendezvousError as exc:
+        log.error("rendezvous failed: %s", exc)
+        code = ExitCode.RENDEZVOUS_FAILED
+        return code
+    finally:
+        events.emit("agent.exit", code=code.name)
+        log.info("agent exits with %d (%s)", code, code.name)
+
+    # Reached only after agent.run() returned: close the run on success (torch does the
+    # same in launch_agent); a failed node closes nothing, so others may carry on.
+    if code == ExitCode.FINISHED:
+        with contextlib.suppress(RendezvousError):
+            handler.shutdown()
+        _cancel_pending_tasks(slurm, client)
+    elif config.requeue == "always":
+        _requeue_own(config, slurm, client)
+    return code
+
+
+def _leave(handler: Any) -> None:
+    """Leave the rendezvous without closing it, when the backend can (ours can)."""
+    leave = getattr(handler, "leave", None)
+    if leave is None:
+        return  # torch's backends: peers evict this node after the keep-alive window
+    try:
+        leave()
+    except (RendezvousError, OSError) as exc:
+        log.warning("could not leave the rendezvous gracefully: %s", exc)
+
+
+def _after_signal(
+    config: ElasticConfig,
+    slurm: SlurmEnv,
+    client: Any,
+    handler: Any,
+    stop: _Stop,
+) -> ExitCode:
+    # torch's agent has already forwarded the signal and waited up to
+    # shutdown_timeout_s for the workers (their checkpoint flush), then killed them.
+    _leave(handler)
+    if not stop.noticed:
+        events.emit("agent.terminated", signals=stop.signals)
+        return ExitCode.TERMINATED
+    if config.requeue == "never":
+        return ExitCode.PREEMPTED
+    if _requeue_own(config, slurm, client):
+        return ExitCode.PREEMPTED_REQUEUED
+    return ExitCode.PREEMPTED
+
+
+def _client(client: Any) -> Any:
+    if client is not None:
+        return client
+    from slurm_elastic.slurm.commands import SlurmClient
+
+    return SlurmClient()
+
+
+def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: Any) -> bool:
+    ref = slurm.own_job_ref
+    if ref is None:
+        log.info("not in a Slurm job: nothing to requeue")
+        return False
+    if slurm.restart_count >= config.max_requeues:
+        log.warning(
+            "not requeueing %s: requeued %d times already (max_requeues=%d)",
+            ref,
+            slurm.restart_count,
+            config.max_requeues,
+        )
+        return False
+    try:
+        _client(client).requeue(ref)
+    except SlurmError as exc:
+        # Slurm may be requeueing the job itself (PreemptMode=REQUEUE) at the same time.
+        log.warning("requeue of %s failed: %s", ref, exc)
+        return False
+    log.info("requeued %s", ref)
+    events.emit("agent.requeued", job=ref, requeue_count=slurm.restart_count + 1)
+    return True
+
+
+def _cancel_pending_tasks(slurm: SlurmEnv, client: Any) -> None:
+    """After success, nothing of the array may stay queued (requeued or never started)."""
+    if not slurm.is_array_task or slurm.array_job_id is None:
+        return
+    try:
+        _client(client).cancel(slurm.array_job_id, state="PENDING")
+    except SlurmError as exc:
+        log.warning("could not cancel the pending tasks of %s: %s", slurm.array_job_id, exc)

@@ -1,0 +1,246 @@
+"""``slurm-elastic``: the command line. The only module that configures logging.
+
+Subcommands:
+
+* ``agent``  run this node's agent (torchrun's flag names): ``slurm-elastic agent
+  --nnodes 1:4 --nproc-per-node 2 train.py --lr 0.1``
+* ``render`` print an sbatch template filled from a config (a dry run of ``sbatch``)
+* ``submit`` submit a config to Slurm (or run it locally) through submitit
+* ``config`` print the resolved configuration (defaults, Slurm, YAML, env, flags)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from slurm_elastic import __version__
+from slurm_elastic.errors import SlurmElasticError
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("slurm_elastic.cli")
+
+
+def _configure_logging(verbosity: int) -> None:
+    level = os.environ.get("SLURM_ELASTIC_LOG_LEVEL") or (
+        "DEBUG" if verbosity > 1 else "INFO" if verbosity >= 0 else "WARNING"
+    )
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s {host} %(process)d %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every subcommand that resolves an ElasticConfig."""
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--nnodes", help="N or MIN:MAX nodes (torchrun's form)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int)
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int)
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend")
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        help="slurm backend: shared directory; c10d/etcd-v2: HOST:PORT",
+    )
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="run_id")
+    p.add_argument("--local-addr", "--local_addr", dest="local_addr")
+    p.add_argument("--log-dir", "--log_dir", dest="log_dir")
+    p.add_argument("--state-dir", dest="state_dir")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir")
+    p.add_argument("--monitor-interval", dest="monitor_interval_s", type=float)
+    p.add_argument(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        help="seconds the workers get to checkpoint after a notice",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        dest="hang_timeout_s",
+        type=float,
+        help="restart workers after this many seconds without progress",
+    )
+    p.add_argument("--join-timeout", dest="join_timeout_s", type=float)
+    p.add_argument("--signal", dest="preempt_signal", help="preemption notice signal (USR2)")
+    p.add_argument("--requeue", choices=("never", "preempt", "always"))
+    p.add_argument("--max-requeues", dest="max_requeues", type=int)
+
+
+_CONFIG_DESTS = (
+    "nnodes",
+    "nproc_per_node",
+    "max_restarts",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "run_id",
+    "local_addr",
+    "log_dir",
+    "state_dir",
+    "checkpoint_dir",
+    "monitor_interval_s",
+    "shutdown_timeout_s",
+    "hang_timeout_s",
+    "join_timeout_s",
+    "preempt_signal",
+    "requeue",
+    "max_requeues",
+)
+
+
+def _load(ns: argparse.Namespace) -> Any:
+    from slurm_elastic.config import load_config
+
+    overrides = {k: getattr(ns, k) for k in _CONFIG_DESTS if getattr(ns, k, None) is not None}
+    return load_config(ns.config, overrides=overrides)
+
+
+def _parse_kv(items: Sequence[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        for part in item.split(","):
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            if not sep or not key:
+                raise SlurmElasticError(f"{flag} {part!r}: expected KEY=VALUE")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _cmd_agent(ns: argparse.Namespace) -> int:
+    from slurm_elastic.agent import run_agent
+
+    config = _load(ns)
+    return int(
+        run_agent(
+            config,
+            ns.entrypoint,
+            ns.args,
+            module=ns.module,
+            redirects=ns.redirects,
+            tee=ns.tee,
+            rdzv_conf=_parse_kv(ns.rdzv_conf, "--rdzv-conf"),
+        )
+    )
+
+
+def _cmd_config(ns: argparse.Namespace) -> int:
+    print(json.dumps(_load(ns).as_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_render(ns: argparse.Namespace) -> int:
+    from slurm_elastic.slurm import render
+
+    if ns.list:
+        print("\n".join(render.list_templates()))
+        return 0
+    if not ns.template:
+        raise SlurmElasticError("render: name a template (see --list)")
+    values: dict[str, object] = {}
+    if ns.config:
+        import yaml
+
+        with open(ns.config, encoding="utf-8") as fh:
+            values.update(yaml.safe_load(fh) or {})
+    values.update(_parse_kv(ns.set, "--set"))
+    text = render.render_template(ns.template, values)
+    if ns.output:
+        with open(ns.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_submit(ns: argparse.Namespace) -> int:
+    from slurm_elastic.submit import submit_from_config
+
+    return int(
+        submit_from_config(ns.config_file, cluster=ns.cluster, dry_run=ns.dry_run, wait=ns.wait)
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="slurm-elastic",
+        description="Elastic, preemption-tolerant PyTorch training on Slurm.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("-q", "--quiet", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "agent",
+        help="run this node's agent (one per node)",
+        description="Run this node's elastic agent; torchrun's flag names.",
+    )
+    _add_config_flags(p)
+    p.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        action="append",
+        default=[],
+        help="extra rendezvous settings K=V[,K=V]",
+    )
+    p.add_argument("--redirects", "-r", default="0", help="0 none, 1 out, 2 err, 3 both")
+    p.add_argument("--tee", "-t", default="0", help="0 none, 1 out, 2 err, 3 both")
+    p.add_argument("-m", "--module", action="store_true", help="entrypoint is a module")
+    p.add_argument("entrypoint", help="training script (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the training script")
+    p.set_defaults(func=_cmd_agent)
+
+    p = sub.add_parser("config", help="print the resolved configuration")
+    _add_config_flags(p)
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("render", help="print an sbatch template filled from a config")
+    p.add_argument("template", nargs="?", help="fault_tolerant, elastic or elastic_array")
+    p.add_argument("--config", help="YAML file with template values and config keys")
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE (repeatable)")
+    p.add_argument("-o", "--output", help="write here instead of stdout")
+    p.add_argument("--list", action="store_true", help="list the templates")
+    p.set_defaults(func=_cmd_render)
+
+    p = sub.add_parser("submit", help="submit a job described by a YAML config")
+    p.add_argument("config_file")
+    p.add_argument(
+        "--cluster",
+        choices=("local", "slurm"),
+        default=None,
+        help="default: slurm when a controller is reachable, else local",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print what would be submitted")
+    p.add_argument("--wait", action="store_true", help="wait for the job to finish")
+    p.set_defaults(func=_cmd_submit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``slurm-elastic``; returns the process exit status."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    _configure_logging(-1 if ns.quiet else ns.verbose)
+    try:
+        return int(ns.func(ns))
+    except SlurmElasticError as exc:
+        print(f"slurm-elastic: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
