@@ -98,12 +98,13 @@ TEMPLATES: dict[str, TemplateSpec] = {
 
 #: Template keys with their defaults (``None``: optional, left out when not given).
 TEMPLATE_KEYS: dict[str, object] = {
+    "mode": None,  # the template's name; `slurm-elastic submit` picks the shape with it
     "entrypoint": None,  # required: the training script (or module) the agents run
     "args": (),  # its arguments: a list, or one string of shell words
     "job_name": "slurm-elastic",
     "nodes": None,  # fault_tolerant only
     "signal_lead_s": 120,  # --signal=B:<preempt_signal>@<lead>: notice this early
-    "log_dir": "logs",  # sbatch --output directory (must exist; submit creates it)
+    "output_dir": "logs",  # sbatch --output directory (must exist; submit creates it)
     "setup": "",  # shell lines run before the agent (module load, venv activate)
     "launcher": "slurm-elastic",  # the command that provides `agent`
     "partition": None,
@@ -276,6 +277,11 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     """
     spec = _spec(name)
     config, template = split_values(values)
+    if template.get("mode") not in (None, name):
+        raise ConfigError(
+            f"the values say mode {template['mode']!r} but template {name!r} is being "
+            f"rendered; render {template['mode']!r} or drop 'mode'"
+        )
     defaults_config, defaults_template = split_values(
         {k: v for k, v in spec.defaults.items() if k not in ("min_nodes", "max_nodes")}
     )
@@ -302,7 +308,7 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
 
     out: dict[str, str] = {
         "job_name": _line("job_name", template["job_name"]),
-        "log_dir": _line("log_dir", template["log_dir"]),
+        "output_dir": _line("output_dir", template["output_dir"]),
         "launcher": " ".join(shlex.quote(w) for w in _words("launcher", template["launcher"])),
         "entrypoint": shlex.quote(_line("entrypoint", entrypoint)),
         "signal_lead_s": str(_int("signal_lead_s", template["signal_lead_s"], 0)),

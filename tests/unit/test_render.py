@@ -44,7 +44,7 @@ CASES: dict[str, tuple[str, dict[str, object]]] = {
             "job_name": "llm",
             "preempt_signal": "SIGUSR1",
             "signal_lead_s": 300,
-            "log_dir": "/scratch/me/logs",
+            "output_dir": "/scratch/me/logs",
             "setup": ["module load cuda", "source .venv/bin/activate"],
             "partition": "gpu",
             "account": "proj1",
@@ -164,6 +164,18 @@ def test_node_count_conflicts_are_explained() -> None:
         render.render_template("fault_tolerant", {"entrypoint": "t.py", "min_nodes": 2})
     with pytest.raises(ConfigError, match=r"takes a node range: set min_nodes/max_nodes"):
         render.render_template("elastic", {"entrypoint": "t.py", "nodes": 3})
+
+
+def test_mode_value_must_match_template() -> None:
+    assert render.render_template("elastic", {"entrypoint": "t.py", "mode": "elastic"})
+    with pytest.raises(ConfigError, match=r"mode 'elastic_array' but template 'elastic'"):
+        render.render_template("elastic", {"entrypoint": "t.py", "mode": "elastic_array"})
+
+
+def test_config_log_dir_is_exported_not_confused_with_output_dir() -> None:
+    text = render.render_template("elastic", {"entrypoint": "t.py", "log_dir": "/w/logs"})
+    assert "export SLURM_ELASTIC_LOG_DIR=/w/logs\n" in text
+    assert "#SBATCH --output=logs/%x-%j.out\n" in text
 
 
 def test_newline_in_single_line_value_is_rejected() -> None:
