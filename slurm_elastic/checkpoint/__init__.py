@@ -15,6 +15,13 @@ Contract (what a ``train.py`` relies on):
   naming the path and the cause; previous checkpoints are never touched by a failed save.
 """
 
+from slurm_elastic.checkpoint.bundle import (
+    ResumeInfo,
+    capture_rng,
+    restore_rng,
+    restore_training_state,
+    training_state,
+)
 from slurm_elastic.checkpoint.manager import (
     CHECKPOINT_DIR_ENV,
     CheckpointFlushTimeout,
@@ -22,11 +29,24 @@ from slurm_elastic.checkpoint.manager import (
     CheckpointManager,
     LoadedCheckpoint,
 )
+from slurm_elastic.checkpoint.policy import BatchPlan, loss_scale, micro_batches, plan_batches
+from slurm_elastic.checkpoint.sampler import ElasticSampler, StepSlice
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
+    "BatchPlan",
     "CheckpointFlushTimeout",
     "CheckpointInfo",
     "CheckpointManager",
+    "ElasticSampler",
     "LoadedCheckpoint",
+    "ResumeInfo",
+    "StepSlice",
+    "capture_rng",
+    "loss_scale",
+    "micro_batches",
+    "plan_batches",
+    "restore_rng",
+    "restore_training_state",
+    "training_state",
 ]
