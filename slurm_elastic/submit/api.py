@@ -1,0 +1,227 @@
+"""``submit``/``plan_submission``/``submit_from_config``: the public submission API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from slurm_elastic.errors import ConfigError, SlurmError
+from slurm_elastic.submit import local, slurm_backend
+from slurm_elastic.submit.job import JobHandle, JobState
+from slurm_elastic.submit.request import JobRequest, build_request
+
+__all__ = [
+    "CLUSTERS",
+    "SubmissionPlan",
+    "plan_submission",
+    "resolve_cluster",
+    "submit",
+    "submit_from_config",
+]
+
+log = logging.getLogger(__name__)
+
+CLUSTERS = ("local", "slurm")
+
+
+@dataclass(frozen=True)
+class SubmissionPlan:
+    """What a submission would do (a dry run).
+
+    Attributes:
+        cluster: ``"slurm"`` or ``"local"``.
+        request: the validated request.
+        text: for Slurm the exact sbatch script; for local the node command lines and the
+            node spec.
+    """
+
+    cluster: str
+    request: JobRequest
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def resolve_cluster(cluster: str | None, client: Any = None) -> str:
+    """``"local"``/``"slurm"`` as given; ``None``/``"auto"``: Slurm when reachable, else local.
+
+    Raises:
+        ConfigError: an unknown cluster name.
+    """
+    if cluster not in (None, "auto", *CLUSTERS):
+        raise ConfigError(f"cluster {cluster!r}: choose 'local', 'slurm' or 'auto'")
+    if cluster in CLUSTERS:
+        return str(cluster)
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        return "local"
+    try:
+        probe = client if client is not None else slurm_backend._default_client()
+        reachable = bool(probe.ping())
+    except SlurmError as exc:
+        log.info("Slurm is not usable (%s): running locally", exc)
+        return "local"
+    if not reachable:
+        log.info("slurmctld does not answer 'scontrol ping': running locally")
+        return "local"
+    return "slurm"
+
+
+def _request(
+    entrypoint: str | None,
+    args: object,
+    mode: str | None,
+    module: bool,
+    values: Mapping[str, object],
+) -> JobRequest:
+    return build_request(values, entrypoint=entrypoint, args=args, mode=mode, module=module)
+
+
+def _local_plan(request: JobRequest, folder: str | os.PathLike[str] | None) -> str:
+    base = Path(folder).resolve() if folder is not None else Path("<new temporary directory>")
+    spec = {
+        "overrides": local.local_overrides(request, base),
+        "entrypoint": request.entrypoint,
+        "args": list(request.args),
+        "module": request.module,
+    }
+    lines = [
+        f"# local job: {local.node_count(request)} agents ({request.mode}), folder {base}",
+        f"# {base / 'spec.json'}:",
+        *("#   " + line for line in json.dumps(spec, indent=2, sort_keys=True).splitlines()),
+    ]
+    cmd = shlex.join(local.node_command(base / "spec.json"))
+    lines += [f"{cmd} > {base / f'node{i}.log'} 2>&1 &" for i in range(local.node_count(request))]
+    return "\n".join(lines) + "\n"
+
+
+def plan_submission(
+    entrypoint: str | None = None,
+    args: object = None,
+    *,
+    mode: str | None = None,
+    cluster: str | None = None,
+    folder: str | os.PathLike[str] | None = None,
+    module: bool = False,
+    python: str | None = None,
+    **values: object,
+) -> SubmissionPlan:
+    """What :func:`submit` with the same arguments would do, without doing it.
+
+    Raises:
+        ConfigError: see :func:`submit`.
+    """
+    request = _request(entrypoint, args, mode, module, values)
+    chosen = resolve_cluster(cluster)
+    if chosen == "slurm":
+        return SubmissionPlan("slurm", request, slurm_backend.sbatch_text(request, python))
+    return SubmissionPlan("local", request, _local_plan(request, folder))
+
+
+def submit(
+    entrypoint: str | None = None,
+    args: object = None,
+    *,
+    mode: str | None = None,
+    cluster: str | None = None,
+    folder: str | os.PathLike[str] | None = None,
+    module: bool = False,
+    python: str | None = None,
+    client: Any = None,
+    **values: object,
+) -> JobHandle:
+    """Submit an elastic training run; one agent per node runs ``entrypoint``.
+
+    Args:
+        entrypoint: the training script (or module with ``module=True``).
+        args: its arguments (a list, or one string of shell words).
+        mode: ``elastic_array`` (default: an array of single-node tasks), ``elastic``
+            (one ``--nodes=MIN-MAX`` job) or ``fault_tolerant`` (``nodes`` fixed).
+        cluster: ``"slurm"``, ``"local"`` (N agent processes on this machine), or
+            ``None``/``"auto"``: Slurm when reachable, else local.
+        folder: local jobs: their directory (default: a new temporary directory).
+        module: run ``python -m entrypoint``.
+        python: Slurm jobs: the python command on the nodes (default this interpreter).
+        client: Slurm jobs: the Slurm seam to poll (default ``SlurmClient()``).
+        **values: config keys (``nnodes="1:4"``, ``max_restarts=3``, ...) and template
+            keys (``partition``, ``time``, ``setup``, ``output_dir``, ...), as in
+            ``slurm-elastic render``.
+
+    Returns:
+        A :class:`~slurm_elastic.submit.job.JobHandle`: ``state()``, ``wait(timeout_s)``,
+        ``cancel()``, ``log_paths()``.
+
+    Raises:
+        ConfigError: unknown key or mode, missing entrypoint, bad value.
+        SlurmError: Slurm refused the job or is unreachable.
+    """
+    request = _request(entrypoint, args, mode, module, values)
+    chosen = resolve_cluster(cluster, client)
+    if chosen == "slurm":
+        return slurm_backend.submit_slurm(request, client=client, python=python)
+    return local.submit_local(request, folder)
+
+
+def submit_from_config(
+    path: str | os.PathLike[str],
+    *,
+    cluster: str | None = None,
+    dry_run: bool = False,
+    wait: bool = False,
+    overrides: Mapping[str, object] | None = None,
+    timeout_s: float | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """``slurm-elastic submit CONFIG.yaml``: submit (or print) the job a YAML file describes.
+
+    The YAML is a flat mapping of config keys, template keys, ``mode`` and
+    ``entrypoint``/``args`` - the same file ``slurm-elastic render`` takes.
+
+    Returns:
+        The process exit status: 0 submitted (or, with ``wait``, completed), 1 the job
+        did not complete.
+
+    Raises:
+        ConfigError: unreadable file or bad values.
+        SlurmError: Slurm refused the job.
+    """
+    stream = sys.stdout if out is None else out
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"job file {os.fspath(path)!r} does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"job file {os.fspath(path)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"job file {os.fspath(path)!r} must hold a mapping of keys")
+    values = {str(k): v for k, v in data.items()}
+    values.update(overrides or {})
+    if dry_run:
+        plan = plan_submission(cluster=cluster, **values)
+        stream.write(plan.text)
+        return 0
+    job = submit(cluster=cluster, **values)
+    stream.write(f"submitted {job.cluster} job {job.job_id}\n")
+    for log_path in job.log_paths():
+        stream.write(f"  log: {log_path}\n")
+    stream.flush()
+    if not wait:
+        return 0
+    try:
+        state = job.wait(timeout_s)
+    except KeyboardInterrupt:
+        job.cancel()
+        raise
+    stream.write(f"job {job.job_id} {state.value}\n")
+    return 0 if state == JobState.COMPLETED else 1
