@@ -179,6 +179,9 @@ def restore_training_state(
         source: named in error messages (pass the checkpoint path).
         restore_rng_states: set ``False`` to keep the current RNG states.
 
+    The optimizer keeps the bundle's state tensors (``Optimizer.load_state_dict`` does not
+    copy same-device tensors): restore a loaded bundle once, then drop it.
+
     Raises:
         CheckpointMismatchError: missing/unexpected keys or shapes, an optimizer with
             different parameter groups, or a bundle without the expected parts.

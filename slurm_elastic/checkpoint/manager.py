@@ -500,11 +500,18 @@ class CheckpointManager:
             return CheckpointInfo(info.step, info.path, manifest)
         return None
 
-    def load_latest(self, map_location: Any = "cpu") -> LoadedCheckpoint | None:
+    def load_latest(
+        self, map_location: Any = "cpu", *, mmap: bool = False
+    ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint that is complete and verifies.
 
         Under an initialized process group rank 0 chooses and broadcasts the step, so all
         ranks load the same one (every rank must then call this).
+
+        Args:
+            map_location: as for ``torch.load``.
+            mmap: map the file instead of reading it (less memory; but the mapping keeps the
+                file busy: on NFS retention then cannot remove its directory).
 
         Returns:
             The checkpoint, or ``None`` if there is none (first run).
@@ -520,14 +527,14 @@ class CheckpointManager:
             box: builtins.list[Any] = [chosen.step if chosen else None]
             torch.distributed.broadcast_object_list(box, src=0)
             if torch.distributed.get_rank() != 0:
-                return None if box[0] is None else self.load(box[0], map_location)
+                return None if box[0] is None else self.load(box[0], map_location, mmap=mmap)
         if chosen is None:
             return None
         if chosen.manifest is None:  # latest_verified always sets it
-            return self.load(chosen.step, map_location)
-        return self._load_verified(chosen.step, chosen.path, chosen.manifest, map_location)
+            return self.load(chosen.step, map_location, mmap=mmap)
+        return self._load_verified(chosen.step, chosen.path, chosen.manifest, map_location, mmap)
 
-    def load(self, step: int, map_location: Any = "cpu") -> LoadedCheckpoint:
+    def load(self, step: int, map_location: Any = "cpu", *, mmap: bool = False) -> LoadedCheckpoint:
         """Load checkpoint ``step`` after verifying it.
 
         Raises:
@@ -537,10 +544,10 @@ class CheckpointManager:
         if not path.is_dir():
             raise CheckpointCorruptError(f"checkpoint {path} does not exist")
         manifest = verify_checkpoint(path)
-        return self._load_verified(step, path, manifest, map_location)
+        return self._load_verified(step, path, manifest, map_location, mmap)
 
     def _load_verified(
-        self, step: int, path: Path, manifest: Manifest, map_location: Any
+        self, step: int, path: Path, manifest: Manifest, map_location: Any, mmap: bool
     ) -> LoadedCheckpoint:
         if manifest.kind != "replicated":
             raise CheckpointError(
@@ -553,7 +560,7 @@ class CheckpointManager:
                 path / STATE_FILE,
                 map_location=map_location,
                 weights_only=self.weights_only,
-                mmap=True,
+                mmap=mmap,
             )
         except Exception as exc:
             raise CheckpointCorruptError(
