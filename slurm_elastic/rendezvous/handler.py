@@ -1,0 +1,529 @@
+"""``SlurmRendezvousHandler``: torch's rendezvous state machine, fixed where it is wrong.
+
+Reused from ``torch.distributed.elastic.rendezvous.dynamic_rendezvous`` (2.13): the join,
+exit and close operations (min/max nodes, last call, join timeout, wait list, hot
+spares in the redundancy list, rank assignment) and the compare-and-set state holder.
+
+Changed, and why:
+
+* **State** in :class:`~slurm_elastic.rendezvous.backend.FileRendezvousBackend` on the
+  shared filesystem: no store host to lose.
+* **Heartbeats** are counters watched around a ring
+  (:mod:`~slurm_elastic.rendezvous.heartbeat`) by a thread that runs for the handler's
+  whole life (also while waiting as a spare); torch's wall-clock keep-alive is switched
+  off (its interval is set to years and its ``_sanitize`` does nothing). Dead nodes are
+  evicted by a compare-and-set written by their watcher.
+* **Prompt restart**: :meth:`num_nodes_waiting` is also positive when a participant of
+  this node's round is gone (left or evicted), when the run was closed, or when this
+  node itself was evicted, so torch's agent restarts its workers at once.
+* **Graceful leave**: :meth:`leave` removes this node from the state without closing the
+  run (called by our agent on preemption, and at interpreter exit if neither
+  :meth:`shutdown` nor :meth:`leave` ran, e.g. torchrun exiting on SIGTERM).
+* **Polling**: torch waits a fixed 1 s between polls; here a waiting node polls the
+  cheap ``head`` pointer with a backoff from ``poll_interval`` to 0.25 s and re-reads the
+  state as soon as its generation changes; a node that lost a compare-and-set backs off
+  a random few milliseconds (fewer collisions when many nodes start at once).
+* **Workers' store**: owned per round by
+  :class:`~slurm_elastic.rendezvous.worker_store.WorkerStoreOwner`.
+* **Requeue safety**: the epoch is chosen by
+  :meth:`~slurm_elastic.rendezvous.run_directory.RunDirectory.select_epoch`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+    _RendezvousState,
+)
+
+from slurm_elastic import events
+from slurm_elastic.rendezvous.backend import BACKEND_NAME, FileRendezvousBackend
+from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
+from slurm_elastic.rendezvous.options import RendezvousOptions
+from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
+from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
+
+__all__ = ["SlurmRendezvousHandler"]
+
+log = logging.getLogger(__name__)
+
+# Torch's keep-alive is replaced by counter heartbeats: an interval this long means
+# torch never decides a keep-alive is due.
+_NEVER = timedelta(days=3650)
+_POLL_CAP_S = 0.25
+
+
+class _CounterStateHolder(_BackendRendezvousStateHolder):
+    """Torch's state holder without its wall-clock dead-node sweep."""
+
+    def _sanitize(self) -> None:
+        self._dead_nodes = []
+
+    def invalidate(self) -> None:
+        """Make the next :meth:`sync` read the backend."""
+        self._last_sync_time = -1
+
+    @property
+    def token(self) -> Any:
+        """The generation of the state last read or written."""
+        return self._token
+
+
+class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
+    """Torch's op loop with change-driven polling and compare-and-set backoff."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        holder: _CounterStateHolder,
+        settings: RendezvousSettings,
+        backend: FileRendezvousBackend,
+        poll_s: float,
+    ) -> None:
+        super().__init__(node, holder, settings)
+        self._holder = holder
+        self._backend = backend
+        self._poll_s = poll_s
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """See base class."""
+        action = None
+        losses = 0
+        while action != _Action.FINISH:
+            has_set = self._holder.sync()
+            if has_set is False:
+                losses += 1
+                time.sleep(random.uniform(0, 0.002 * (2 ** min(losses, 5))))
+            self._state = self._holder.state
+            ctx = _RendezvousContext(self._node, self._state, self._settings)
+            action = state_handler(ctx, deadline)
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError(
+                    f"the rendezvous of run {self._settings.run_id!r} is closed (the run "
+                    "finished or failed); requeue the job or use a new run id to start again"
+                )
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(
+                    f"rendezvous of run {self._settings.run_id!r} timed out with "
+                    f"{len(self._state.participants)} of min {self._settings.min_nodes} nodes; "
+                    "raise join_timeout or check why the other nodes did not start"
+                )
+            if action == _Action.SYNC:
+                self._wait_for_change(deadline)
+                continue
+            if action in (
+                _Action.REMOVE_FROM_PARTICIPANTS,
+                _Action.REMOVE_FROM_WAIT_LIST,
+                _Action.REMOVE_FROM_REDUNDANCY_LIST,
+            ):
+                # An eviction by a watcher may have dropped our entry; torch's removal
+                # code indexes it unconditionally.
+                self._state.last_heartbeats.setdefault(self._node, datetime.now(timezone.utc))
+            self._apply(action)
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+                deadline = update_deadline(self._settings.timeout.join)
+            self._holder.mark_dirty()
+
+    def _apply(self, action: _Action) -> None:
+        handlers: dict[_Action, Callable[[], None]] = {
+            _Action.KEEP_ALIVE: self._keep_alive,
+            _Action.ADD_TO_PARTICIPANTS: self._add_to_participants,
+            _Action.ADD_TO_WAIT_LIST: self._add_to_wait_list,
+            _Action.ADD_TO_REDUNDANCY_LIST: self._add_to_redundancy_list,
+            _Action.REMOVE_FROM_PARTICIPANTS: self._remove_from_participants,
+            _Action.REMOVE_FROM_WAIT_LIST: self._remove_from_wait_list,
+            _Action.REMOVE_FROM_REDUNDANCY_LIST: self._remove_from_redundancy_list,
+            _Action.MARK_RENDEZVOUS_COMPLETE: self._mark_rendezvous_complete,
+            _Action.MARK_RENDEZVOUS_CLOSED: self._mark_rendezvous_closed,
+        }
+        handlers[action]()
+
+    def _wait_for_change(self, deadline: float) -> None:
+        """Sleep until the state changes, 1 s passes, or a last-call deadline is due."""
+        now = time.monotonic()
+        wake = min(now + 1.0, deadline)
+        last_call = self._state.deadline
+        if last_call is not None:
+            due = (last_call - datetime.now(timezone.utc)).total_seconds()
+            wake = min(wake, now + max(0.0, due) + 0.005)
+        seen = self._holder.token
+        delay = self._poll_s
+        while True:
+            now = time.monotonic()
+            if now >= wake:
+                break
+            time.sleep(min(delay, wake - now))
+            delay = min(delay * 2, _POLL_CAP_S)
+            if self._backend.latest_generation() != seen:
+                break
+        self._holder.invalidate()
+
+
+class _LeaveOp:
+    """Remove this node from participants, wait list and redundancy list."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if ctx.node in ctx.state.participants:
+            if time.monotonic() > deadline:
+                return _Action.ERROR_TIMEOUT
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        if ctx.node in ctx.state.wait_list:
+            return _Action.REMOVE_FROM_WAIT_LIST
+        if ctx.node in ctx.state.redundancy_list:
+            return _Action.REMOVE_FROM_REDUNDANCY_LIST
+        return _Action.FINISH
+
+
+def _leave_at_exit(ref: weakref.ReferenceType[SlurmRendezvousHandler]) -> None:
+    handler = ref()
+    if handler is not None:
+        handler._leave_if_active()
+
+
+class SlurmRendezvousHandler(DynamicRendezvousHandler):
+    """A rendezvous handler on a shared directory that owns the workers' store.
+
+    Build it with :func:`slurm_elastic.rendezvous.create_handler`.
+
+    Args:
+        run_id: the run id.
+        min_nodes: minimum number of nodes of a round.
+        max_nodes: maximum number of nodes of a round (more wait as spares).
+        epoch: the epoch selected for this agent.
+        incarnation: this agent's requeue identity.
+        local_addr: the address other nodes use to reach this node.
+        options: the parsed rendezvous options.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        epoch: Epoch,
+        incarnation: Incarnation,
+        local_addr: str,
+        options: RendezvousOptions,
+    ) -> None:
+        node = DynamicRendezvousHandler._node_desc_generator.generate(local_addr)
+        timeout = RendezvousTimeout(
+            join=timedelta(seconds=options.join_timeout_s),
+            last_call=timedelta(seconds=options.last_call_timeout_s),
+            close=timedelta(seconds=options.close_timeout_s),
+            heartbeat=timedelta(seconds=max(options.close_timeout_s, 1.0)),
+        )
+        settings = RendezvousSettings(
+            run_id, min_nodes, max_nodes, timeout, keep_alive_interval=_NEVER,
+            keep_alive_max_attempt=3,
+        )  # fmt: skip
+        backend = epoch.backend()
+        holder = _CounterStateHolder(
+            backend,
+            settings,
+            cache_duration=min(0.5, options.heartbeat_interval_s),  # type: ignore[arg-type]
+        )
+        super().__init__(node, settings, BACKEND_NAME, dist.HashStore(), holder)
+        self._holder = holder
+        self._op_executor = _PollingOpExecutor(
+            node, holder, settings, backend, options.poll_interval_s
+        )
+        self._epoch = epoch
+        self._incarnation = incarnation
+        self._options = options
+        self._local_addr = local_addr
+        self._node_name = repr(node)
+        self._monitor = HeartbeatMonitor(
+            epoch.hb_dir,
+            self._node_name,
+            interval_s=options.heartbeat_interval_s,
+            miss_limit=options.heartbeat_miss_limit,
+            successors=options.successors,
+        )
+        self._worker_store = WorkerStoreOwner(
+            epoch, self._node_name, local_addr, options.store_port, options.store_timeout_s
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._round: int | None = None
+        self._round_members: frozenset[_NodeDesc] | None = None
+        self._active = False
+        atexit.register(_leave_at_exit, weakref.ref(self))
+
+    # -- identity --------------------------------------------------------------------
+
+    @property
+    def node(self) -> str:
+        """This node's descriptor as a string (``addr_pid_localid``)."""
+        return self._node_name
+
+    @property
+    def epoch(self) -> Epoch:
+        """The epoch this handler takes part in."""
+        return self._epoch
+
+    @property
+    def options(self) -> RendezvousOptions:
+        """The parsed rendezvous options."""
+        return self._options
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class: workers are clients of the round's store, always."""
+        return True
+
+    # -- torch's keep-alive is replaced ------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        pass
+
+    def _stop_heartbeats(self) -> None:
+        pass
+
+    def _ensure_monitor(self) -> None:
+        self._active = True
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._monitor.beat()  # our file exists before we appear in the state
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run_monitor,
+            args=(self._stop,),
+            name=f"slurm-rdzv-heartbeat-{self._node_name}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _stop_monitor(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(2.0, 2 * self._options.heartbeat_interval_s))
+
+    def _run_monitor(self, stop: threading.Event) -> None:
+        holder = _CounterStateHolder(self._epoch.backend(), self._settings, cache_duration=0)
+        interval = self._options.heartbeat_interval_s
+        while not stop.is_set():
+            started = time.monotonic()
+            self._monitor.beat()
+            try:
+                holder.sync()
+                state = holder.state
+                members = {
+                    repr(n): n
+                    for n in (*state.participants, *state.wait_list, *state.redundancy_list)
+                }
+                if self._node_name in members:
+                    dead = self._monitor.observe(list(members))
+                    if dead:
+                        self._evict(holder, [members[name] for name in dead])
+            except Exception as exc:  # the watcher must outlive transient FS errors
+                log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    def _evict(self, holder: _CounterStateHolder, dead: list[_NodeDesc]) -> None:
+        for _ in range(64):
+            state: _RendezvousState = holder.state
+            changed = removed_participant = False
+            for node in dead:
+                if node in state.participants:
+                    del state.participants[node]
+                    changed = removed_participant = True
+                if node in state.wait_list:
+                    state.wait_list.discard(node)
+                    changed = True
+                if node in state.redundancy_list:
+                    state.redundancy_list.discard(node)
+                    changed = True
+                state.last_heartbeats.pop(node, None)
+            if not changed:
+                return
+            if removed_participant:
+                _remove_participant_epilogue(state, self._settings)
+            holder.mark_dirty()
+            if holder.sync():
+                names = ", ".join(repr(n) for n in dead)
+                log.info(
+                    "rendezvous %r: evicted %s (no heartbeat progress for %.1f s)",
+                    self._settings.run_id,
+                    names,
+                    self._monitor.window_s,
+                )
+                events.emit("rendezvous.evicted", nodes=[repr(n) for n in dead])
+                return
+
+    # -- the rendezvous -------------------------------------------------------------------
+
+    def _round_is_current(self, round_: int, rank0: _NodeDesc) -> bool:
+        with self._heartbeat_lock:
+            self._holder.invalidate()
+            self._holder.sync()
+            state = self._holder.state
+        return (
+            state.round == round_
+            and state.complete
+            and not state.closed
+            and self._this_node in state.participants
+            and rank0 in state.participants
+        )
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round; return rank, world size and this round's stores.
+
+        Raises:
+            RendezvousClosedError: the run is closed.
+            RendezvousTimeoutError: no round formed within ``join_timeout``.
+        """
+        started = time.monotonic()
+        self._round_members = None
+        self._ensure_monitor()
+        deadline = self._get_deadline(self._settings.timeout.join)
+        while True:
+            with self._heartbeat_lock:
+                self._op_executor.run(_RendezvousExitOp(), deadline)
+                self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+                state = self._holder.state
+                participants = dict(state.participants)
+                round_ = state.round
+            rank, world = participants[self._this_node], len(participants)
+            rank0 = next(n for n, r in participants.items() if r == 0)
+            try:
+                store, info = self._worker_store.setup(
+                    round_,
+                    rank,
+                    repr(rank0),
+                    functools.partial(self._round_is_current, round_, rank0),
+                    deadline,
+                )
+            except RoundLostError as exc:
+                log.info("rendezvous %r: %s; joining again", self._settings.run_id, exc)
+                continue
+            break
+        self._round = round_
+        self._round_members = frozenset(participants)
+        log.info(
+            "rendezvous %r complete: round %d, rank %d of %d, store %s:%d (%.2f s)",
+            self._settings.run_id,
+            round_,
+            rank,
+            world,
+            info.master_addr,
+            info.master_port,
+            time.monotonic() - started,
+        )
+        events.emit(
+            "rendezvous.complete",
+            round=round_,
+            epoch=self._epoch.number,
+            rank=rank,
+            world_size=world,
+            node=self._node_name,
+            store=f"{info.master_addr}:{info.master_port}",
+        )
+        return RendezvousInfo(store, rank, world, info)
+
+    def num_nodes_waiting(self) -> int:
+        """See base class; also > 0 when this node's round lost a member.
+
+        Positive when nodes wait to join, when a participant of this node's last round
+        left or was evicted, when the round moved on, when this node was evicted, or
+        when the run was closed: each means the workers must restart (a closed run
+        then makes ``next_rendezvous`` raise, ending this agent promptly).
+        """
+        with self._heartbeat_lock:
+            self._holder.sync()
+            state = self._holder.state
+            waiting = len(state.wait_list)
+            members = self._round_members
+            if members is not None and (
+                state.closed
+                or state.round != self._round
+                or not members.issubset(state.participants.keys())
+            ):
+                waiting = max(waiting, 1)
+        return waiting
+
+    def leave(self) -> None:
+        """Remove this node from the rendezvous at once, without closing the run.
+
+        Survivors see the round lose a member on their next ``num_nodes_waiting``
+        poll and re-rendezvous without waiting for heartbeats to expire. Calling
+        :meth:`next_rendezvous` later joins again.
+
+        Raises:
+            RendezvousTimeoutError: the removal could not be written in ``close_timeout``.
+        """
+        self._active = False
+        self._stop_monitor()
+        self._worker_store.close()
+        with self._heartbeat_lock:
+            self._holder.invalidate()
+            self._op_executor.run(_LeaveOp(), self._get_deadline(self._settings.timeout.close))
+        self._monitor.remove()
+        self._round_members = None
+        log.info("rendezvous %r: node %s left", self._settings.run_id, self._node_name)
+        events.emit("rendezvous.left", node=self._node_name)
+
+    def _leave_if_active(self) -> None:
+        if not self._active:
+            return
+        try:
+            self.leave()
+        except Exception as exc:  # at interpreter exit: best effort only
+            log.debug("leaving the rendezvous at exit failed: %s", exc)
+
+    def shutdown(self) -> bool:
+        """Close the run for every node (a finished or failed job); see base class."""
+        self._active = False
+        self._stop_monitor()
+        self._worker_store.close()
+        try:
+            with self._heartbeat_lock:
+                self._holder.invalidate()
+                self._close()
+            ok = True
+        except RendezvousError as exc:
+            log.warning(
+                "rendezvous %r: could not close: %s: %s",
+                self._settings.run_id,
+                type(exc).__name__,
+                exc,
+            )
+            ok = False
+        self._monitor.remove()
+        return ok

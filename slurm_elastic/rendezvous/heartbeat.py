@@ -1,0 +1,157 @@
+"""Dead-node detection by heartbeat *counters*, watched around a ring.
+
+Torch's keep-alive writes the writer's wall-clock time into the shared state and every
+reader compares it with its own clock, so clock skew shifts detection, and every node
+rewrites the whole state each interval. Here instead:
+
+* every member increments a counter in its own file ``hb/<node>`` every interval
+  (written in place: one ``open`` per beat);
+* every member watches only its ring *successors* (members sorted by name): it walks
+  them in order and stops after ``successors`` of them that look alive, so a member
+  reads ``successors`` files per interval in the steady state (more only while some
+  are failing), whatever the number of nodes;
+* a watched node is dead when its counter has not changed for ``miss_limit`` of the
+  *watcher's* intervals, measured with the watcher's monotonic clock. Remote clocks
+  are never compared, only observed changes.
+
+A watcher only remembers nodes it watched at its previous pass: a node that comes
+back into its watch set gets a fresh baseline, so it is never declared dead from an
+old observation. When a dead node is evicted the ring closes over it and its watcher
+moves on to the next successors, so any surviving member eventually evicts every dead
+one after it.
+
+:class:`HeartbeatMonitor` is pure logic plus two file operations, with an injectable
+clock and reader so its edge cases are tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm_elastic.rendezvous import filesystem as fs
+
+__all__ = ["HeartbeatMonitor", "node_file_name"]
+
+log = logging.getLogger(__name__)
+
+_COUNTER = struct.Struct(">Q")
+
+
+def node_file_name(node: str) -> str:
+    """Return the heartbeat file name of node ``node`` (a safe path component)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:200]
+
+
+@dataclass
+class _Observation:
+    value: int | None
+    changed_at: float
+
+
+class HeartbeatMonitor:
+    """Beat for one node and judge the liveness of its ring successors.
+
+    Args:
+        directory: the epoch's ``hb`` directory.
+        node: this node's name (its heartbeat file name derives from it).
+        interval_s: the beat and observation interval.
+        miss_limit: unchanged intervals after which a watched node is dead.
+        successors: how many live-looking successors each member watches.
+        clock: a monotonic clock (injectable for tests).
+        reader: reads a node's counter, None when absent (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        node: str,
+        *,
+        interval_s: float,
+        miss_limit: int,
+        successors: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        reader: Callable[[str], int | None] | None = None,
+    ) -> None:
+        self._dir = directory
+        self.node = node
+        self._interval = interval_s
+        self._miss_limit = miss_limit
+        self._successors = max(1, successors)
+        self._clock = clock
+        self._reader = reader or self._read_counter
+        self._counter = 0
+        self._seen: dict[str, _Observation] = {}
+
+    @property
+    def window_s(self) -> float:
+        """How long a counter may stand still before its node is declared dead."""
+        return self._interval * self._miss_limit
+
+    def beat(self) -> None:
+        """Increment and write this node's counter (one ``open``)."""
+        self._counter += 1
+        try:
+            fs.write_in_place(self._dir / node_file_name(self.node), _COUNTER.pack(self._counter))
+        except OSError as exc:  # a missed beat is survivable; a crash of the thread is not
+            log.warning("could not write heartbeat %s: %s", self._dir, exc)
+
+    def remove(self) -> None:
+        """Delete this node's heartbeat file (graceful leave)."""
+        try:
+            fs.remove(self._dir / node_file_name(self.node))
+        except OSError as exc:
+            log.debug("could not remove heartbeat file: %s", exc)
+
+    def _read_counter(self, node: str) -> int | None:
+        try:
+            raw = fs.read_small(self._dir / node_file_name(node), limit=64)
+        except OSError:
+            return None
+        if raw is None or len(raw) < _COUNTER.size:
+            return None
+        return int(_COUNTER.unpack_from(raw)[0])
+
+    def observe(self, members: Sequence[str]) -> list[str]:
+        """Watch this node's successors among ``members``; return the dead ones.
+
+        Args:
+            members: every member of the rendezvous (any order; this node included
+                or not).
+
+        Returns:
+            The watched nodes whose counter stood still for the whole window.
+        """
+        ring = sorted(set(members) | {self.node})
+        if len(ring) == 1:
+            self._seen.clear()
+            return []
+        start = ring.index(self.node)
+        now = self._clock()
+        suspect_after = self._interval * 1.5
+        seen: dict[str, _Observation] = {}
+        dead: list[str] = []
+        healthy = 0
+        for offset in range(1, len(ring)):
+            node = ring[(start + offset) % len(ring)]
+            value = self._reader(node)
+            previous = self._seen.get(node)
+            if previous is None or previous.value != value:
+                obs = _Observation(value, now)
+            else:
+                obs = previous
+            seen[node] = obs
+            still = now - obs.changed_at
+            if still >= self.window_s:
+                dead.append(node)
+            elif still < suspect_after:
+                healthy += 1
+                if healthy >= self._successors:
+                    break
+        self._seen = seen
+        return dead

@@ -1,0 +1,133 @@
+"""``RendezvousOptions``: the rendezvous knobs, parsed from torch's ``RendezvousParameters``.
+
+``--rdzv-conf`` values arrive as strings; keys match :class:`slurm_elastic.config.ElasticConfig`
+(with or without the ``_s`` suffix), and torch's own names are accepted as aliases:
+
+==========================  ===========================================  =========
+key                          meaning                                      default
+==========================  ===========================================  =========
+join_timeout                 max wait for a round to form (s)              600
+last_call_timeout            extra wait for more nodes once min_nodes (s)  3
+close_timeout                max time to close/leave (s)                   30
+heartbeat_interval           beat/observation interval (s)                 1
+  (alias keep_alive_interval)
+heartbeat_miss_limit         unchanged intervals before a node is dead     5
+  (alias keep_alive_max_attempt)
+poll_interval                first state poll delay while waiting (s)      0.05
+store_timeout                timeout of the per-round TCPStore (s)         120
+store_port                   port of the per-round TCPStore (0: any)       0
+interface                    network interface whose IPv4 to advertise     (none)
+local_addr                   address to advertise (also ``--local-addr``)  (derived)
+generation / incarnation     override the requeue identities               (derived)
+successors                   ring successors each node watches             2
+==========================  ===========================================  =========
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+from slurm_elastic.errors import ConfigError
+
+__all__ = ["RendezvousOptions"]
+
+
+def _raw(params: RendezvousParameters, names: tuple[str, ...]) -> tuple[str, object] | None:
+    for name in names:
+        for key in (name, f"{name}_s"):
+            value = params.config.get(key)
+            if value is not None and value != "":
+                return key, value
+    return None
+
+
+def _float(params: RendezvousParameters, default: float, *names: str, minimum: float) -> float:
+    found = _raw(params, names)
+    if found is None:
+        return default
+    key, value = found
+    try:
+        result = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"rendezvous option {key}={value!r} is not a number") from exc
+    if not result >= minimum:
+        raise ConfigError(f"rendezvous option {key}={value!r} must be >= {minimum}")
+    return result
+
+
+def _int(params: RendezvousParameters, default: int, *names: str, minimum: int) -> int:
+    found = _raw(params, names)
+    if found is None:
+        return default
+    key, value = found
+    try:
+        result = int(str(value))
+    except ValueError as exc:
+        raise ConfigError(f"rendezvous option {key}={value!r} is not an integer") from exc
+    if result < minimum:
+        raise ConfigError(f"rendezvous option {key}={value!r} must be >= {minimum}")
+    return result
+
+
+def _str(params: RendezvousParameters, *names: str) -> str | None:
+    found = _raw(params, names)
+    return None if found is None else str(found[1])
+
+
+@dataclass(frozen=True)
+class RendezvousOptions:
+    """Validated rendezvous options (see the module docstring for the keys)."""
+
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 3.0
+    close_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_miss_limit: int = 5
+    poll_interval_s: float = 0.05
+    store_timeout_s: float = 120.0
+    store_port: int = 0
+    interface: str | None = None
+    local_addr: str | None = None
+    generation: str | None = None
+    incarnation: str | None = None
+    successors: int = 2
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> RendezvousOptions:
+        """Parse ``params.config`` (string values) and ``params.local_addr``.
+
+        Raises:
+            ConfigError: a value is not a number or out of range (the message names it).
+        """
+        d = cls()
+        return cls(
+            join_timeout_s=_float(params, d.join_timeout_s, "join_timeout", minimum=0.1),
+            last_call_timeout_s=_float(
+                params, d.last_call_timeout_s, "last_call_timeout", minimum=0.01
+            ),
+            close_timeout_s=_float(params, d.close_timeout_s, "close_timeout", minimum=0.1),
+            heartbeat_interval_s=_float(
+                params,
+                d.heartbeat_interval_s,
+                "heartbeat_interval",
+                "keep_alive_interval",
+                minimum=0.05,
+            ),
+            heartbeat_miss_limit=_int(
+                params,
+                d.heartbeat_miss_limit,
+                "heartbeat_miss_limit",
+                "keep_alive_max_attempt",
+                minimum=2,
+            ),
+            poll_interval_s=_float(params, d.poll_interval_s, "poll_interval", minimum=0.001),
+            store_timeout_s=_float(params, d.store_timeout_s, "store_timeout", minimum=1.0),
+            store_port=_int(params, d.store_port, "store_port", minimum=0),
+            interface=_str(params, "interface"),
+            local_addr=params.local_addr or _str(params, "local_addr"),
+            generation=_str(params, "generation"),
+            incarnation=_str(params, "incarnation"),
+            successors=_int(params, d.successors, "successors", minimum=1),
+        )
