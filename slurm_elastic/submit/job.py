@@ -138,7 +138,7 @@ class JobHandle(abc.ABC):
                 return state
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeoutError(
-                    f"job {self.job_id} is still {state.value} after {timeout_s:.0f} s; "
+                    f"job {self.job_id} is still {state.value} after {timeout_s:g} s; "
                     "wait longer or cancel it"
                 )
             time.sleep(poll_s)

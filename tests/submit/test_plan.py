@@ -1,0 +1,165 @@
+"""Dry runs of slurm_elastic.submit: the exact sbatch text, without Slurm.
+
+The Slurm text comes from submitit's own sbatch renderer (what a real submission sends);
+golden files in tests/data/golden/submit_*.sbatch (regenerate: UPDATE_GOLDEN=1).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic.errors import ConfigError
+from slurm_elastic.submit import build_request, plan_submission, resolve_cluster, submit_from_config
+from slurm_elastic.submit.slurm_backend import _minutes, submitit_parameters
+
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden"
+
+COMMON = {"python": "python3", "output_dir": "/shared/logs", "cluster": "slurm"}
+
+
+def _check_golden(name: str, text: str) -> None:
+    golden = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def _directives(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
+
+
+def test_array_dry_run_is_one_single_node_task_per_node() -> None:
+    plan = plan_submission(
+        "train.py", ["--epochs", "3"], nnodes="1:4", partition="low", time="02:00:00", **COMMON
+    )
+    assert plan.cluster == "slurm"
+    _check_golden("submit_elastic_array.sbatch", plan.text)
+    d = _directives(plan.text)
+    assert d["array"] == "0-3%4"
+    assert (d["nodes"], d["ntasks-per-node"]) == ("1", "1")
+    assert d["signal"] == "USR2@120"
+    assert d["open-mode"] == "append"
+    assert "requeue" in d
+    assert d["time"] == "120"
+    assert "%A_%a" in d["output"]
+    assert "export SUBMITIT_PREEMPT_SIGNAL=USR2\n" in plan.text
+    assert "python3 -u -m submitit.core._submit /shared/logs/%j" in plan.text
+
+
+def test_elastic_dry_run_is_one_job_with_node_range_and_srun_per_node() -> None:
+    plan = plan_submission("train.py", mode="elastic", nnodes="2:4", **COMMON)
+    _check_golden("submit_elastic.sbatch", plan.text)
+    d = _directives(plan.text)
+    assert d["nodes"] == "2-4"
+    assert "array" not in d
+    srun = next(line for line in plan.text.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=0" in srun
+    assert "%j" in d["output"]
+
+
+def test_fault_tolerant_dry_run_fixed_nodes() -> None:
+    plan = plan_submission("train.py", mode="fault_tolerant", nodes=3, **COMMON)
+    d = _directives(plan.text)
+    assert d["nodes"] == "3"
+    assert plan.request.overrides["min_nodes"] == plan.request.overrides["max_nodes"] == 3
+    assert plan.request.overrides["nproc_per_node"] == 8  # the mode's default
+
+
+def test_preempt_signal_is_consistent_between_slurm_submitit_and_agent() -> None:
+    plan = plan_submission(
+        "train.py", preempt_signal="SIGUSR1", signal_lead_s=300, nnodes="1:2", **COMMON
+    )
+    assert _directives(plan.text)["signal"] == "USR1@300"
+    assert "export SUBMITIT_PREEMPT_SIGNAL=USR1\n" in plan.text
+    # the agents resolve their config on the node from these overrides
+    assert plan.request.overrides["preempt_signal"] == "SIGUSR1"
+    params = submitit_parameters(plan.request)
+    assert params["signal_delay_s"] == 300
+
+
+def test_user_values_reach_the_request_and_unknown_keys_fail() -> None:
+    request = build_request(
+        {"entrypoint": "t.py", "args": "--lr 0.1", "max_restarts": 5, "nnodes": "2:3"}
+    )
+    assert request.args == ("--lr", "0.1")
+    assert request.overrides == {"max_restarts": 5, "min_nodes": 2, "max_nodes": 3}
+    with pytest.raises(ConfigError, match=r"unknown value 'max_restart'.*did you mean"):
+        build_request({"entrypoint": "t.py", "max_restart": 5})
+    with pytest.raises(ConfigError, match=r"unknown mode 'arrays'"):
+        build_request({"entrypoint": "t.py"}, mode="arrays")
+    with pytest.raises(ConfigError, match=r"needs a value for 'entrypoint'"):
+        build_request({})
+
+
+def test_sbatch_args_and_bad_time() -> None:
+    plan = plan_submission("t.py", sbatch_args=["--mail-type=END", "--hold"], **COMMON)
+    d = _directives(plan.text)
+    assert d["mail-type"] == "END"
+    assert "hold" in d
+    with pytest.raises(ConfigError, match=r"use the long form"):
+        plan_submission("t.py", sbatch_args=["-p", "x"], **COMMON)
+    with pytest.raises(ConfigError, match=r"time 'soon'"):
+        _minutes("soon")
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("90", 90), ("1:30", 2), ("02:00:00", 120), ("1-12", 2160), ("1-00:30", 1470), (45, 45)],
+)
+def test_slurm_time_forms(text: object, minutes: int) -> None:
+    assert _minutes(text) == minutes
+
+
+def test_local_dry_run_lists_one_agent_per_node(tmp_path: Path) -> None:
+    plan = plan_submission("t.py", cluster="local", folder=tmp_path, nnodes="1:3")
+    assert plan.cluster == "local"
+    commands = [ln for ln in plan.text.splitlines() if "slurm_elastic.submit.node" in ln]
+    assert len(commands) == 3
+    assert f'"rdzv_endpoint": "{tmp_path / "rdzv"}"' in plan.text
+    assert not list(tmp_path.iterdir()), "a dry run must not create anything"
+
+
+def test_submit_from_config_dry_run_prints_sbatch(tmp_path: Path) -> None:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(
+        "mode: elastic\nentrypoint: train.py\nnnodes: '1:2'\npartition: gpu\n"
+        f"output_dir: {tmp_path / 'logs'}\nmax_restarts: 2\n"
+    )
+    out = io.StringIO()
+    assert submit_from_config(cfg, cluster="slurm", dry_run=True, out=out) == 0
+    d = _directives(out.getvalue())
+    assert (d["nodes"], d["partition"]) == ("1-2", "gpu")
+    assert not (tmp_path / "logs").exists()
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        submit_from_config(tmp_path / "missing.yaml", dry_run=True, out=out)
+
+
+class _Client:
+    def __init__(self, up: bool) -> None:
+        self.up = up
+
+    def ping(self) -> bool:
+        return self.up
+
+
+def test_cluster_auto_is_local_without_slurm_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert resolve_cluster(None) == "local"
+    assert resolve_cluster("slurm") == "slurm"
+    with pytest.raises(ConfigError, match=r"cluster 'cloud'"):
+        resolve_cluster("cloud")
+
+
+def test_cluster_auto_asks_the_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # sbatch/srun present on PATH (stand-ins), controller up or down (fake seam client)
+    for tool in ("sbatch", "srun"):
+        (tmp_path / tool).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert resolve_cluster("auto", client=_Client(up=True)) == "slurm"
+    assert resolve_cluster("auto", client=_Client(up=False)) == "local"
