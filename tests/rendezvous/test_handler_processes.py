@@ -1,0 +1,137 @@
+"""Membership scenarios with real processes, real handlers and gloo all_reduce.
+
+Each "node" is a forked process with its own handler (see harness.py); the rendezvous
+directory is a real directory, the stores are real TCPStores, the collectives real gloo.
+Heartbeat window in these tests: 4 x 0.25 s = 1 s; last call 0.5 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.rendezvous.harness import NodeProc, check_world, rdzv_all
+
+WINDOW_S = 1.0
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[NodeProc]]:
+    made: list[NodeProc] = []
+    yield made
+    for n in made:
+        n.close()
+
+
+def _spawn(made: list[NodeProc], count: int, *args: object, **kwargs: object) -> list[NodeProc]:
+    new = [NodeProc(*args, **kwargs) for _ in range(count)]  # type: ignore[arg-type]
+    made.extend(new)
+    for n in new:
+        n.call("create")
+    return new
+
+
+def test_three_nodes_form_one_world_and_all_reduce(tmp_path: Path, nodes: list[NodeProc]) -> None:
+    group = _spawn(nodes, 3, tmp_path, "run", 3, 3)
+    results = rdzv_all(group)
+    check_world(results, 3)
+
+
+def test_min_nodes_forms_after_last_call_and_max_bounds_world(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    group = _spawn(nodes, 2, tmp_path, "run", 2, 3)
+    results = rdzv_all(group)
+    check_world(results, 2)  # formed with min after last call, not waiting for max
+    # Two more arrive: the next round fills up to max (3), the 4th waits as a spare.
+    extra = _spawn(nodes, 2, tmp_path, "run", 2, 3)
+    for n in extra:
+        n.send("rdzv")
+    for n in group:
+        n.call("wait_change", 10)
+    for n in group:
+        n.send("rdzv")
+    everyone = group + extra
+    wait_for(lambda: sum(n.ready() for n in everyone) >= 3, 30, "a world of 3")
+    spares = [n for n in everyone if not n.ready()]
+    results = [n.result() for n in everyone if n.ready()]
+    check_world(results, 3)
+    assert len(spares) == 1, "a 4th node above max_nodes must wait as a spare"
+    assert not spares[0]._conn.poll(1.0) and spares[0].proc.is_alive()
+
+
+def test_late_joiner_grows_world_from_min_to_max(tmp_path: Path, nodes: list[NodeProc]) -> None:
+    group = _spawn(nodes, 2, tmp_path, "run", 2, 3)
+    check_world(rdzv_all(group), 2)
+    (late,) = _spawn(nodes, 1, tmp_path, "run", 2, 3)
+    late.send("rdzv")
+    for n in group:
+        n.call("wait_change", 10)
+    results = rdzv_all(group) + [late.result()]
+    check_world(results, 3)
+
+
+def test_graceful_leave_is_seen_before_any_heartbeat_expiry(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    group = _spawn(nodes, 3, tmp_path, "run", 2, 3, conf={"heartbeat_miss_limit": "40"})
+    first = rdzv_all(group)
+    check_world(first, 3)
+    leaver = group[2]
+    leaver.call("leave")
+    # The window is 40 x 0.25 s = 10 s: noticing within 2 s proves the removal was
+    # written by the leaver, not inferred from missing heartbeats.
+    noticed = [n.call("wait_change", 10) for n in group[:2]]
+    assert max(noticed) < 2.0, noticed
+    check_world(rdzv_all(group[:2]), 2)
+
+
+@pytest.mark.parametrize("victim_rank", [1, 0], ids=["non_zero_rank", "store_host"])
+def test_sigkilled_node_is_evicted_and_survivors_reform(
+    tmp_path: Path, nodes: list[NodeProc], victim_rank: int
+) -> None:
+    group = _spawn(nodes, 3, tmp_path, "run", 2, 3)
+    first = rdzv_all(group)
+    check_world(first, 3)
+    victim = next(n for n, r in zip(group, first) if r["rank"] == victim_rank)
+    survivors = [n for n in group if n is not victim]
+    victim.kill()
+    noticed = [n.call("wait_change", 15) for n in survivors]
+    # Eviction needs the window plus at most a couple of watcher intervals.
+    assert max(noticed) < WINDOW_S + 2.0, noticed
+    second = rdzv_all(survivors)
+    check_world(second, 2)
+    assert second[0]["round"] > first[0]["round"]
+    if victim_rank == 0:
+        assert second[0]["store"] != first[0]["store"], "survivors must use a new store"
+
+
+def test_spare_above_max_takes_over_when_a_member_dies(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    group = _spawn(nodes, 2, tmp_path, "run", 2, 2)
+    check_world(rdzv_all(group), 2)
+    (spare,) = _spawn(nodes, 1, tmp_path, "run", 2, 2)
+    spare.send("rdzv")
+    # A spare does not make the members restart.
+    assert all(n.call("waiting") == 0 for n in group)
+    assert not spare._conn.poll(1.5), "the spare must wait while the world is full"
+    group[1].kill()
+    group[0].call("wait_change", 15)
+    results = rdzv_all([group[0]]) + [spare.result()]
+    check_world(results, 2)
+
+
+def test_two_run_ids_sharing_a_root_stay_apart(tmp_path: Path, nodes: list[NodeProc]) -> None:
+    a = _spawn(nodes, 2, tmp_path, "run-a", 2, 4)
+    b = _spawn(nodes, 2, tmp_path, "run-b", 2, 4)
+    for n in a + b:
+        n.send("rdzv")
+    ra = [n.result() for n in a]
+    rb = [n.result() for n in b]
+    check_world(ra, 2)
+    check_world(rb, 2)
+    assert ra[0]["store"] != rb[0]["store"]
