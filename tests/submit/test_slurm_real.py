@@ -1,0 +1,112 @@
+"""End to end on the local Slurm cluster: submitit submission and the rendered templates.
+
+Each job runs real node agents (``run_agent``) that train with gloo across two Slurm
+nodes, and writes what every rank saw into tmp_path (shared by all nodes).
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic.slurm import render
+from slurm_elastic.slurm.commands import SlurmClient
+from slurm_elastic.slurm.jobstate import JobState as SlurmState
+from slurm_elastic.submit import JobState, submit
+from tests.conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TRAIN = textwrap.dedent(
+    """
+    import os, torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}"), "w") as fh:
+        fh.write(f"{dist.get_world_size()} {t.item():.0f} {os.environ['SLURMD_NODENAME']}")
+    dist.destroy_process_group()
+    """
+)
+
+FAST = {"last_call_timeout_s": 2, "join_timeout_s": 120, "heartbeat_interval_s": 0.5}
+
+
+def _setup(tmp_path: Path) -> tuple[str, Path]:
+    train = tmp_path / "train.py"
+    train.write_text(TRAIN)
+    out = tmp_path / "out"
+    out.mkdir()
+    return str(train), out
+
+
+def _check_two_ranks(out: Path) -> None:
+    results = sorted(p.read_text().split() for p in out.iterdir())
+    assert [r[:2] for r in results] == [["2", "3"], ["2", "3"]], results
+    assert len({r[2] for r in results}) == 2, f"both ranks on one node: {results}"
+
+
+def test_submitit_array_of_node_agents_trains_across_two_nodes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    train, out = _setup(tmp_path)
+    job = submit(
+        train,
+        cluster="slurm",
+        client=slurm_cluster.client,
+        mode="elastic_array",
+        nnodes="2:2",
+        output_dir=str(tmp_path / "logs"),
+        state_dir=str(tmp_path / "state"),
+        env={"OUT_DIR": str(out), "OMP_NUM_THREADS": "1"},
+        exclusive=True,
+        **FAST,
+    )
+    try:
+        state = job.wait(timeout_s=240, poll_s=1)
+    finally:
+        if not job.done():
+            job.cancel()
+    logs = "\n".join(p.read_text()[-2000:] for p in job.log_paths() if p.exists())
+    assert state == JobState.COMPLETED, logs
+    assert len(job.task_refs) == 2
+    _check_two_ranks(out)
+
+
+@pytest.mark.parametrize("template", ["elastic_array", "elastic"])
+def test_rendered_template_submitted_with_sbatch_trains_across_two_nodes(
+    slurm_cluster: SlurmCluster, tmp_path: Path, template: str
+) -> None:
+    train, out = _setup(tmp_path)
+    (tmp_path / "logs").mkdir()
+    text = render.render_template(
+        template,
+        {
+            "entrypoint": train,
+            "nnodes": "2:2",
+            "output_dir": str(tmp_path / "logs"),
+            "launcher": str(Path(sys.executable).parent / "slurm-elastic"),
+            "state_dir": str(tmp_path / "state"),
+            "env": {"OUT_DIR": str(out), "OMP_NUM_THREADS": "1"},
+            # nodes have 2 CPUs: without --exclusive two 1-CPU array tasks may share one
+            "exclusive": True,
+            **FAST,
+        },
+    )
+    # Submit without the cluster script's own SLURM_ELASTIC_CLUSTER_* variables: sbatch
+    # exports the submitter's environment, and the config rejects unknown SLURM_ELASTIC_*.
+    env = {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_ELASTIC_")}
+    job = SlurmClient(env=env, timeout_s=60).submit(text, cwd=tmp_path)
+    finished = {s for s in SlurmState if s.is_terminal}
+    refs = [f"{job}_0", f"{job}_1"] if template == "elastic_array" else [job]
+    try:
+        infos = [slurm_cluster.wait_state(ref, finished, timeout=240) for ref in refs]
+    finally:
+        slurm_cluster.client.run(["scancel", job])
+    logs = "\n".join(p.read_text()[-3000:] for p in (tmp_path / "logs").iterdir())
+    assert all(i.state is SlurmState.COMPLETED for i in infos), f"{infos}\n{logs}"
+    _check_two_ranks(out)
