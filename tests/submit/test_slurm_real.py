@@ -17,6 +17,7 @@ from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.jobstate import JobState as SlurmState
 from slurm_elastic.submit import JobState, submit
 from tests.conftest import SlurmCluster
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -110,3 +111,75 @@ def test_rendered_template_submitted_with_sbatch_trains_across_two_nodes(
     logs = "\n".join(p.read_text()[-3000:] for p in (tmp_path / "logs").iterdir())
     assert all(i.state is SlurmState.COMPLETED for i in infos), f"{infos}\n{logs}"
     _check_two_ranks(out)
+
+
+LOOP = textwrap.dedent(
+    """
+    import os, time, torch, torch.distributed as dist
+    from slurm_elastic import notice
+    torch.set_num_threads(1)
+    notice.install_preemption_handler()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = os.environ["OUT_DIR"]
+    open(os.path.join(out, f"started{rank}"), "w").close()
+    step = 0
+    while step < 3000:
+        time.sleep(0.1)
+        step += 1
+        notice.report_progress(step)
+        if notice.preemption_requested():
+            with open(os.path.join(out, f"noticed{rank}"), "w") as fh:
+                fh.write(str(step))
+            break
+    """
+)
+
+
+@pytest.mark.parametrize("template", ["elastic", "elastic_array"])
+def test_batch_signal_reaches_every_worker_through_the_rendered_script(
+    slurm_cluster: SlurmCluster, tmp_path: Path, template: str
+) -> None:
+    # Slurm's --signal=B:USR2@lead, sent now with scancel --batch (as the time limit would)
+    train = tmp_path / "train.py"
+    train.write_text(LOOP)
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "logs").mkdir()
+    text = render.render_template(
+        template,
+        {
+            "entrypoint": str(train),
+            "nnodes": "2:2",
+            "output_dir": str(tmp_path / "logs"),
+            "launcher": str(Path(sys.executable).parent / "slurm-elastic"),
+            "state_dir": str(tmp_path / "state"),
+            "env": {"OUT_DIR": str(out), "OMP_NUM_THREADS": "1"},
+            "exclusive": True,
+            "requeue": "never",
+            "shutdown_timeout_s": 20,
+            **FAST,
+        },
+    )
+    env = {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_ELASTIC_")}
+    client = SlurmClient(env=env, timeout_s=60)
+    job = client.submit(text, cwd=tmp_path)
+    refs = [f"{job}_0", f"{job}_1"] if template == "elastic_array" else [job]
+    finished = {s for s in SlurmState if s.is_terminal}
+    try:
+        wait_for(
+            lambda: (out / "started0").exists() and (out / "started1").exists(),
+            180,
+            "both workers to train",
+        )
+        for ref in refs:
+            client.cancel(ref, signal="USR2", batch=True)
+        wait_for(
+            lambda: (out / "noticed0").exists() and (out / "noticed1").exists(),
+            60,
+            "both workers to see the notice",
+        )
+        infos = [slurm_cluster.wait_state(ref, finished, timeout=90) for ref in refs]
+    finally:
+        client.run(["scancel", job])
+    assert all(i.restarts == 0 for i in infos), "requeue: never must not requeue"
