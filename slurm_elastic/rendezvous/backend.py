@@ -24,6 +24,7 @@ defence in depth on top of the directory permission checks.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import pickle
@@ -183,7 +184,12 @@ class FileRendezvousBackend(RendezvousBackend):
 
     def _read_generation(self, generation: int) -> bytes | None:
         """Return the payload of ``generation``; None if missing; raise ValueError if bad."""
-        data = fs.read_small(self._dir / f"state.{generation}")
+        try:
+            data = fs.read_small(self._dir / f"state.{generation}")
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a planted symlink: never follow it
+                raise ValueError("is a symlink") from exc
+            raise
         if data is None:
             return None
         return _decode_record(data, generation)

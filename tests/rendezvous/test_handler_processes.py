@@ -70,7 +70,7 @@ def test_late_joiner_grows_world_from_min_to_max(tmp_path: Path, nodes: list[Nod
     late.send("rdzv")
     for n in group:
         n.call("wait_change", 10)
-    results = rdzv_all(group) + [late.result()]
+    results = [*rdzv_all(group), late.result()]
     check_world(results, 3)
 
 
@@ -96,7 +96,7 @@ def test_sigkilled_node_is_evicted_and_survivors_reform(
     group = _spawn(nodes, 3, tmp_path, "run", 2, 3)
     first = rdzv_all(group)
     check_world(first, 3)
-    victim = next(n for n, r in zip(group, first) if r["rank"] == victim_rank)
+    victim = next(n for n, r in zip(group, first, strict=False) if r["rank"] == victim_rank)
     survivors = [n for n in group if n is not victim]
     victim.kill()
     noticed = [n.call("wait_change", 15) for n in survivors]
@@ -121,7 +121,7 @@ def test_spare_above_max_takes_over_when_a_member_dies(
     assert not spare._conn.poll(1.5), "the spare must wait while the world is full"
     group[1].kill()
     group[0].call("wait_change", 15)
-    results = rdzv_all([group[0]]) + [spare.result()]
+    results = [*rdzv_all([group[0]]), spare.result()]
     check_world(results, 2)
 
 
@@ -135,3 +135,66 @@ def test_two_run_ids_sharing_a_root_stay_apart(tmp_path: Path, nodes: list[NodeP
     check_world(ra, 2)
     check_world(rb, 2)
     assert ra[0]["store"] != rb[0]["store"]
+
+
+def _job(job_id: int, restart: int = 0, array: tuple[int, int] | None = None) -> dict[str, str]:
+    env = {"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(restart)}
+    if array is not None:
+        env.update(SLURM_ARRAY_JOB_ID=str(array[0]), SLURM_ARRAY_TASK_ID=str(array[1]))
+    return env
+
+
+def test_requeued_job_with_same_run_id_starts_fresh_not_closed(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    first = _spawn(nodes, 2, tmp_path, "run", 2, 2, env=_job(100))
+    r1 = rdzv_all(first)
+    check_world(r1, 2)
+    assert all(n.call("shutdown") for n in first)  # the job finished: run closed
+    # A late agent of the same (finished) job is told the run is closed ...
+    late = NodeProc(tmp_path, "run", 2, 2, env=_job(100))
+    nodes.append(late)
+    with pytest.raises(AssertionError, match="RendezvousClosedError"):
+        late.call("create")
+    # ... while the requeued job (SLURM_RESTART_COUNT=1) forms a new world.
+    again = _spawn(nodes, 2, tmp_path, "run", 2, 2, env=_job(100, restart=1))
+    r2 = rdzv_all(again)
+    check_world(r2, 2)
+    assert r2[0]["epoch"] > r1[0]["epoch"]
+
+
+def test_stale_state_of_an_earlier_job_is_never_joined(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    old = _spawn(nodes, 2, tmp_path, "run", 2, 2, env=_job(200))
+    check_world(rdzv_all(old), 2)
+    for n in old:
+        n.kill()  # died without closing: its members are still in the state
+    (new,) = _spawn(nodes, 1, tmp_path, "run", 1, 2, env=_job(201))
+    result = new.call("rdzv", timeout=20)
+    # Joining the stale state would have put it on the wait list behind two dead nodes.
+    check_world([result], 1)
+    assert result["round"] == 0
+
+
+def test_requeued_array_task_rejoins_the_running_array(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    t0 = _spawn(nodes, 1, tmp_path, "run", 1, 2, env=_job(301, array=(300, 0)))[0]
+    t1 = _spawn(nodes, 1, tmp_path, "run", 1, 2, env=_job(302, array=(300, 1)))[0]
+    r1 = rdzv_all([t0, t1])
+    check_world(r1, 2)
+    t1.kill()
+    t0.call("wait_change", 15)
+    t0.send("rdzv")
+    requeued = _spawn(nodes, 1, tmp_path, "run", 1, 2, env=_job(302, restart=1, array=(300, 1)))
+    # t0 may complete a world of one before the requeued task arrives; then the
+    # newcomer waits and t0 sees it.
+    r0 = t0.result()
+    requeued[0].send("rdzv")
+    if r0["world"] == 1:
+        t0.call("wait_change", 15)
+        r0 = t0.call("rdzv")
+    r2 = [r0, requeued[0].result()]
+    check_world(r2, 2)
+    assert {r["epoch"] for r in r2} == {r1[0]["epoch"]}, "the running run must not be reset"
