@@ -212,6 +212,7 @@ class SlurmClient:
         signal: str | None = None,
         batch: bool = False,
         full: bool = False,
+        state: str | None = None,
     ) -> None:
         """``scancel`` a job, or send it a signal.
 
@@ -220,8 +221,12 @@ class SlurmClient:
             signal: e.g. ``"USR2"``: only signal, do not cancel.
             batch: signal only the batch shell (``--batch``).
             full: signal the batch shell and all steps (``--full``).
+            state: only act on tasks in this state (``--state=PENDING``: the queued
+                tasks of an array, leaving the running ones alone).
         """
         argv = ["scancel"]
+        if state is not None:
+            argv.append(f"--state={state}")
         if signal is not None:
             argv.append(f"--signal={signal}")
         if batch:
@@ -240,7 +245,14 @@ class SlurmClient:
         self.run(["scontrol", "release", job_ref])
 
     def start_now(self, job_ref: str) -> None:
-        """Set a pending job's earliest start to now (a requeued job waits ~10 s otherwise)."""
+        """Set a pending job's earliest start (``BeginTime``) to now.
+
+        Caution (verified on Slurm 22.05): a requeued job is held ``cred_expire`` seconds
+        on purpose. Starting it earlier can place it on a node that still holds the
+        revoked credential of its previous run; it then fails at once with "Job
+        credential revoked" (state FAILED). Use this for jobs submitted with
+        ``--begin``, not to hurry a requeue.
+        """
         self.run(["scontrol", "update", f"JobId={job_ref}", "StartTime=now"])
 
     # ------------------------------------------------------------------ querying
@@ -307,8 +319,21 @@ class SlurmClient:
         return parse_squeue(proc.stdout)
 
     def hostnames(self, hostlist: str) -> list[str]:
-        """Expand a hostlist (``node[1-3]``) with ``scontrol show hostnames``."""
-        proc = self.run(["scontrol", "show", "hostnames", hostlist])
+        """Expand a hostlist (``node[1-3]``) with ``scontrol show hostnames``.
+
+        Raises:
+            SlurmCommandError: Slurm calls the hostlist invalid (e.g. ``n[3-1]``; 22.05
+                also rejects a suffix after the last bracket, ``gpu[1-2]x``).
+        """
+        argv = ["scontrol", "show", "hostnames", hostlist]
+        proc = self.run(argv)
+        if "invalid hostlist" in proc.stderr.lower():  # Slurm 22.05 still exits 0 here
+            raise SlurmCommandError(
+                f"Slurm rejects the hostlist {hostlist!r}: {proc.stderr.strip()!r}",
+                argv,
+                proc.returncode,
+                proc.stderr,
+            )
         return parse_hostnames(proc.stdout)
 
     def ping(self) -> bool:
