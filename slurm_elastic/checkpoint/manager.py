@@ -483,6 +483,10 @@ class CheckpointManager:
             events.emit("checkpoint.removed", step=info.step, path=str(info.path))
 
     # ------------------------------------------------------------------ load
+    def _skip(self, info: CheckpointInfo, exc: Exception) -> None:
+        log.warning("skipping damaged checkpoint %s: %s", info.path, exc)
+        events.emit("checkpoint.skipped", step=info.step, path=str(info.path), error=str(exc))
+
     def latest_verified(self, *, deep: bool = True) -> CheckpointInfo | None:
         """The newest committed checkpoint that verifies; damaged ones are skipped with a
         WARNING naming them (and never deleted)."""
@@ -492,10 +496,7 @@ class CheckpointManager:
             try:
                 manifest = verify_checkpoint(info.path, deep=deep)
             except CheckpointCorruptError as exc:
-                log.warning("skipping damaged checkpoint %s: %s", info.path, exc)
-                events.emit(
-                    "checkpoint.skipped", step=info.step, path=str(info.path), error=str(exc)
-                )
+                self._skip(info, exc)
                 continue
             return CheckpointInfo(info.step, info.path, manifest)
         return None
@@ -505,8 +506,9 @@ class CheckpointManager:
     ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint that is complete and verifies.
 
-        Under an initialized process group rank 0 chooses and broadcasts the step, so all
-        ranks load the same one (every rank must then call this).
+        Damaged checkpoints are skipped with a WARNING naming them (never deleted, never
+        returned). Under an initialized process group rank 0 chooses and broadcasts the
+        step, so all ranks load the same one (every rank must then call this).
 
         Args:
             map_location: as for ``torch.load``.
@@ -518,60 +520,75 @@ class CheckpointManager:
 
         Raises:
             CheckpointCorruptError: the chosen checkpoint fails on a non-zero rank.
+            CheckpointError: a checkpoint verifies but cannot be unpickled with
+                ``weights_only`` (never silently skipped: that would restart from scratch).
         """
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        chosen: CheckpointInfo | None = None
-        if not distributed or torch.distributed.get_rank() == 0:
-            chosen = self.latest_verified()
-        if distributed and torch.distributed.get_world_size() > 1:
-            box: builtins.list[Any] = [chosen.step if chosen else None]
-            torch.distributed.broadcast_object_list(box, src=0)
-            if torch.distributed.get_rank() != 0:
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        loaded: LoadedCheckpoint | None = None
+        if not distributed or dist.get_rank() == 0:
+            for leftover in self.incomplete():
+                log.warning(
+                    "ignoring %s: an interrupted checkpoint save (never committed)", leftover
+                )
+            for info in reversed(self.list_checkpoints()):
+                try:
+                    loaded = self.load(info.step, map_location, mmap=mmap)
+                    break
+                except CheckpointCorruptError as exc:
+                    self._skip(info, exc)
+        if distributed and dist.get_world_size() > 1:
+            box: builtins.list[Any] = [loaded.step if loaded else None]
+            dist.broadcast_object_list(box, src=0)
+            if dist.get_rank() != 0:
                 return None if box[0] is None else self.load(box[0], map_location, mmap=mmap)
-        if chosen is None:
-            return None
-        if chosen.manifest is None:  # latest_verified always sets it
-            return self.load(chosen.step, map_location, mmap=mmap)
-        return self._load_verified(chosen.step, chosen.path, chosen.manifest, map_location, mmap)
+        return loaded
 
     def load(self, step: int, map_location: Any = "cpu", *, mmap: bool = False) -> LoadedCheckpoint:
-        """Load checkpoint ``step`` after verifying it.
+        """Load checkpoint ``step``, verifying every CRC32 while it is read.
+
+        The CRC pass runs in a second thread next to ``torch.load``, so the data is read
+        from disk once (the other reader hits the page cache); a state whose file fails
+        verification is discarded, never returned.
 
         Raises:
             CheckpointCorruptError: missing, incomplete or damaged.
+            CheckpointError: not a replicated checkpoint, or not weights-only loadable.
         """
         path = self.directory / step_dir_name(step)
         if not path.is_dir():
             raise CheckpointCorruptError(f"checkpoint {path} does not exist")
-        manifest = verify_checkpoint(path)
-        return self._load_verified(step, path, manifest, map_location, mmap)
-
-    def _load_verified(
-        self, step: int, path: Path, manifest: Manifest, map_location: Any, mmap: bool
-    ) -> LoadedCheckpoint:
+        manifest = verify_checkpoint(path, deep=False)  # sizes: cheap, catches truncation
         if manifest.kind != "replicated":
             raise CheckpointError(
                 f"checkpoint {path} is {manifest.kind!r}; load it with "
                 "slurm_elastic.checkpoint.sharded.load_sharded"
             )
         start = time.perf_counter()
-        try:
-            state = torch.load(
-                path / STATE_FILE,
-                map_location=map_location,
-                weights_only=self.weights_only,
-                mmap=mmap,
-            )
-        except Exception as exc:
-            raise CheckpointCorruptError(
-                f"checkpoint {path} verified but torch.load failed: {exc}"
-                + (
-                    "; it holds objects outside the weights-only allowlist: pass "
-                    "weights_only=False if you trust this directory"
-                    if self.weights_only
-                    else ""
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as pool:
+            verified = pool.submit(verify_checkpoint, path, deep=True)
+            load_error: Exception | None = None
+            state: Any = None
+            try:
+                state = torch.load(
+                    path / STATE_FILE,
+                    map_location=map_location,
+                    weights_only=self.weights_only,
+                    mmap=mmap,
                 )
-            ) from exc
+            except Exception as exc:
+                load_error = exc
+            verified.result()  # raises CheckpointCorruptError first: damage wins
+        if load_error is not None:
+            if self.weights_only and "weights_only" in str(load_error):
+                raise CheckpointError(
+                    f"checkpoint {path} holds objects outside torch's weights-only "
+                    "allowlist; pass weights_only=False to CheckpointManager if you trust "
+                    f"this directory ({load_error})"
+                ) from load_error
+            raise CheckpointCorruptError(
+                f"checkpoint {path} verified but torch.load failed: {load_error}"
+            ) from load_error
         seconds = time.perf_counter() - start
         log.info("checkpoint step %d loaded from %s", step, path)
         events.emit("checkpoint.loaded", step=step, path=str(path), seconds=seconds)
