@@ -200,8 +200,10 @@ def _signal_name(value: object) -> str:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ElasticConfig)}
-# SLURM_ELASTIC_* variables that the agent/cluster script set but that are not config keys.
-_NOT_CONFIG = frozenset({"notice_file", "heartbeat_file", "requeue_count", "cluster_dir"})
+# SLURM_ELASTIC_* variables that are not config keys: set by the agent for its workers,
+# read by the CLI (log level) or by scripts/slurm-cluster (CLUSTER_*).
+_NOT_CONFIG = frozenset({"notice_file", "heartbeat_file", "requeue_count", "log_level"})
+_NOT_CONFIG_PREFIXES = ("cluster_", "test_")
 
 
 def parse_nnodes(value: object) -> tuple[int, int]:
@@ -275,7 +277,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         key = name[len(ENV_PREFIX) :].lower()
         if key in _FIELDS or key == "nnodes":
             picked[key] = value
-        elif key not in _NOT_CONFIG:
+        elif key not in _NOT_CONFIG and not key.startswith(_NOT_CONFIG_PREFIXES):
             raise ConfigError(
                 f"unknown environment variable {name}={value!r}: {ENV_PREFIX}<KEY> variables "
                 f"set config keys ({', '.join(_FIELDS)}); unset it or fix the name"

@@ -7,9 +7,13 @@ Torch's monitor loop (``SimpleElasticAgent._invoke_run``) is kept, with three ch
    charge that to ``max_restarts``. Here a restart whose new round has a different world
    size than the round that failed is refunded, so the budget counts real failures only.
 2. **Hung workers are failures.** With ``hang_timeout_s`` set, a worker group whose
-   progress reports (``slurm_elastic.notice.report_progress``) stop for that long is
-   restarted, instead of sitting in a collective for the 30-minute default timeout.
-3. **Events**: rendezvous results, restarts and hangs are emitted as structured events.
+   progress reports (``slurm_elastic.notice.report_progress``) stop for that long after
+   the first one is restarted, instead of sitting in a collective for the 30-minute
+   default timeout.
+3. **A departing peer is not a failure either**: with no restarts left, a failed group
+   waits up to the eviction window for the rendezvous to report a membership change
+   before giving up.
+4. **Events**: rendezvous results, restarts and hangs are emitted as structured events.
 
 Everything else (rank assignment, worker start/stop, the exit barrier, signal forwarding)
 is torch's.
@@ -36,6 +40,9 @@ class SlurmElasticAgent(LocalElasticAgent):
     """A per-node elastic agent.
 
     Args:
+        membership_grace_s: with no restarts left, how long a failed group waits for the
+            rendezvous to report a membership change (a peer that left or was evicted)
+            before giving up; a failure caused by a departing peer is not this node's.
         progress_age_s: returns the seconds since the workers last reported progress (or
             since they started, if they never did); only consulted when ``hang_timeout_s``
             is set.
@@ -48,12 +55,14 @@ class SlurmElasticAgent(LocalElasticAgent):
     def __init__(
         self,
         *,
+        membership_grace_s: float,
         progress_age_s: Callable[[], float],
         hang_timeout_s: float | None,
         on_workers_started: Callable[[WorkerGroup], None],
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._membership_grace_s = membership_grace_s
         self._progress_age_s = progress_age_s
         self._hang_timeout_s = hang_timeout_s
         self._on_workers_started = on_workers_started
@@ -128,6 +137,11 @@ class SlurmElasticAgent(LocalElasticAgent):
                     )
                     self._restart_after(state.name.lower(), charge=True)
                     continue
+                if self._membership_changes_within(self._membership_grace_s):
+                    log.info("worker group %s while a peer left: new round (not charged)",
+                             state.name)
+                    self._restart_after("membership", charge=False)
+                    continue
                 self._stop_workers(self._worker_group)
                 self._worker_group.state = WorkerState.FAILED
                 events.emit("agent.gave_up", max_restarts=spec.max_restarts)
@@ -142,6 +156,16 @@ class SlurmElasticAgent(LocalElasticAgent):
                     self._restart_after("membership", charge=False)
             else:
                 raise RuntimeError(f"worker group in unexpected state {state.name}")
+
+    def _membership_changes_within(self, seconds: float) -> bool:
+        handler = self._worker_group.spec.rdzv_handler
+        deadline = time.monotonic() + seconds
+        while True:
+            if handler.num_nodes_waiting() > 0:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.2, seconds))
 
     def _is_hung(self) -> bool:
         return self._hang_timeout_s is not None and self._progress_age_s() > self._hang_timeout_s

@@ -265,9 +265,13 @@ def _run(
         notice.clear_notice(heartbeat_file)
 
     def progress_age_s() -> float:
+        # The watchdog arms at the first progress report of a round: start-up (imports,
+        # data loading, process-group init) may legitimately take long, and a peer that
+        # never arrives is the rendezvous' business, not the watchdog's.
         last = notice.last_progress(heartbeat_file)
-        newest = max(started_at[0], last.time) if last else started_at[0]
-        return time.time() - newest
+        if last is None:
+            return 0.0
+        return time.time() - max(started_at[0], last.time)
 
     agent = SlurmElasticAgent(
         spec=spec,
@@ -279,6 +283,7 @@ def _run(
         start_method="spawn",
         exit_barrier_timeout=max(60.0, config.close_timeout_s),
         shutdown_timeout=max(1, math.ceil(config.shutdown_timeout_s)),
+        membership_grace_s=config.heartbeat_interval_s * (config.heartbeat_miss_limit + 1),
         progress_age_s=progress_age_s,
         hang_timeout_s=config.hang_timeout_s,
         on_workers_started=on_started,

@@ -1,0 +1,73 @@
+"""Fixtures for agent tests: run ``slurm-elastic agent`` as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+class AgentRun:
+    """One agent process (one "node") running tests/agent/worker.py."""
+
+    def __init__(self, out: Path, rdzv: Path, run_id: str, nnodes: str, *extra: str,
+                 steps: int = 40, behaviour: str = "", node: str = "n0",
+                 env: dict[str, str] | None = None) -> None:
+        self.out = out
+        argv = [
+            sys.executable, "-m", "slurm_elastic.cli.main", "agent",
+            "--nnodes", nnodes, "--nproc-per-node", "2",
+            "--rdzv-backend", "slurm", "--rdzv-endpoint", str(rdzv), "--rdzv-id", run_id,
+            "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+            "--state-dir", str(out / "state"), "--max-restarts", "0",
+            "--rdzv-conf", "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1",
+            *extra, str(WORKER), str(out), str(steps), behaviour,
+        ]
+        self.log = open(out / f"agent-{node}.log", "ab")  # noqa: SIM115 - closed in wait()
+        child_env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_ELASTIC_TEST_NODE": node,
+                     **(env or {})}
+        for key in [k for k in child_env if k.startswith("SLURM")]:
+            if key != "SLURM_ELASTIC_TEST_NODE":
+                child_env.pop(key)  # these tests run outside Slurm, whatever the shell is
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=child_env, start_new_session=True)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    path = out / "records.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[list[AgentRun]]:
+    started: list[AgentRun] = []
+    yield started
+    for run in started:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, 9)
+    # workers run in their own sessions: kill any the agents left behind
+    subprocess.run(["pkill", "-9", "-f", str(tmp_path)], check=False)
+
+
+def agent_log(run: AgentRun) -> str:
+    return "".join(p.read_text(errors="replace") for p in run.out.glob("agent-*.log"))

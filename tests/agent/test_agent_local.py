@@ -1,0 +1,128 @@
+"""The per-node agent as real processes on one machine (no Slurm): each AgentRun is one
+"node" (its own agent process and 2 gloo workers) and they meet through the slurm
+rendezvous backend in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic.agent import ExitCode
+from slurm_elastic.events import read_events
+from tests.agent.conftest import AgentRun, agent_log, records
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def step_reached(out: Path, n: int) -> bool:
+    path = out / "step"
+    try:
+        return int(path.read_text() or 0) >= n
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def starts(out: Path) -> list[dict]:
+    return [r for r in records(out) if r["event"] == "start"]
+
+
+def test_preemption_notice_lets_workers_checkpoint_and_agent_reports_preempted(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    run = AgentRun(tmp_path, tmp_path / "rdzv", "pre1", "1", steps=10_000)
+    agents.append(run)
+    wait_for(lambda: step_reached(tmp_path, 3), 60, "training to make progress")
+    os.kill(run.proc.pid, signal.SIGUSR2)
+    rc = run.wait(60)
+    assert rc == ExitCode.PREEMPTED, agent_log(run)  # outside Slurm: nothing to requeue
+    preempted = [r for r in records(tmp_path) if r["event"] == "preempted"]
+    assert sorted(r["rank"] for r in preempted) == [0, 1], records(tmp_path)
+    kinds = [e["kind"] for e in read_events(tmp_path / "state" / "events" / "pre1")]
+    assert "agent.signal" in kinds and kinds[-1] == "agent.exit"
+
+
+def test_sigterm_without_notice_checkpoints_and_exits_terminated(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    run = AgentRun(tmp_path, tmp_path / "rdzv", "term1", "1", steps=10_000)
+    agents.append(run)
+    wait_for(lambda: step_reached(tmp_path, 3), 60, "training to make progress")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(60) == ExitCode.TERMINATED, agent_log(run)
+    # The workers got the notice signal (not a fatal SIGTERM) and could save first.
+    assert {r["rank"] for r in records(tmp_path) if r["event"] == "preempted"} == {0, 1}
+
+
+def test_hung_worker_group_is_restarted_by_the_watchdog(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    run = AgentRun(tmp_path, tmp_path / "rdzv", "hang1", "1", "--hang-timeout", "3",
+                   "--max-restarts", "1", steps=8, behaviour="hang")
+    agents.append(run)
+    assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
+    restarts = {r["restart"] for r in starts(tmp_path)}
+    assert restarts == {0, 1}
+    assert [r for r in records(tmp_path) if r["event"] == "done"]
+    kinds = [e["kind"] for e in read_events(tmp_path / "state" / "events" / "hang1")]
+    assert "agent.hang" in kinds
+
+
+def test_worker_failure_spends_a_restart_and_resumes_from_the_checkpoint(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    run = AgentRun(tmp_path, tmp_path / "rdzv", "fail1", "1", "--max-restarts", "1",
+                   steps=8, behaviour="fail")
+    agents.append(run)
+    assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
+    second = [r for r in starts(tmp_path) if r["restart"] == 1]
+    assert len(second) == 2 and all(r["start_step"] >= 2 for r in second)
+
+
+def test_worker_failure_without_restarts_left_fails_the_agent(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    run = AgentRun(tmp_path, tmp_path / "rdzv", "fail2", "1", steps=8, behaviour="fail")
+    agents.append(run)
+    assert run.wait(120) == ExitCode.FAILED, agent_log(run)
+
+
+@pytest.mark.slow
+def test_survivor_keeps_training_when_a_peer_is_preempted_without_spending_restarts(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    a = AgentRun(tmp_path, tmp_path / "rdzv", "two1", "1:2", steps=10_000, node="a",
+                 env={"WORKER_STEP_S": "0.1"})
+    b = AgentRun(tmp_path, tmp_path / "rdzv", "two1", "1:2", steps=10_000, node="b",
+                 env={"WORKER_STEP_S": "0.1"})
+    agents += [a, b]
+    wait_for(lambda: any(r["world"] == 4 for r in starts(tmp_path)), 90, "a world of 4")
+    os.kill(b.proc.pid, signal.SIGUSR2)
+    assert b.wait(60) == ExitCode.PREEMPTED, agent_log(b)
+    # max_restarts is 0: the survivor only goes on because a departing peer is not charged.
+    wait_for(lambda: [r for r in starts(tmp_path) if r["world"] == 2 and r["node"] == "a"],
+             60, "node a to re-form a world of 2")
+    step = int((tmp_path / "step").read_text())
+    wait_for(lambda: step_reached(tmp_path, step + 5), 60, "training to go on at world 2")
+    os.kill(a.proc.pid, signal.SIGUSR2)
+    assert a.wait(60) == ExitCode.PREEMPTED, agent_log(a)
+
+
+@pytest.mark.slow
+def test_late_joiner_grows_the_world(tmp_path: Path, agents: list[AgentRun]) -> None:
+    a = AgentRun(tmp_path, tmp_path / "rdzv", "grow1", "1:2", steps=10_000, node="a")
+    agents.append(a)
+    wait_for(lambda: step_reached(tmp_path, 3), 60, "node a to train alone")
+    assert {r["world"] for r in starts(tmp_path)} == {2}
+    b = AgentRun(tmp_path, tmp_path / "rdzv", "grow1", "1:2", steps=10_000, node="b")
+    agents.append(b)
+    wait_for(lambda: {r["node"] for r in starts(tmp_path) if r["world"] == 4} == {"a", "b"},
+             90, "both nodes in a world of 4")
+    for run in (a, b):
+        os.kill(run.proc.pid, signal.SIGTERM)
+    assert a.wait(60) == ExitCode.TERMINATED
+    assert b.wait(60) == ExitCode.TERMINATED
