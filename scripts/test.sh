@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The project's one test command (README and CI call it):
+#   scripts/test.sh [pytest args...]        e.g. scripts/test.sh -m "not slow"
+# 1. creates .venv if missing; installs torch==2.13.0 first (a pinned CPU build is
+#    available locally; a bare requirement could download GBs), then -e '.[dev,plot]';
+# 2. as root: installs Slurm + munge (Debian) and starts the local cluster with
+#    scripts/slurm-cluster (netns mode if 'ip netns' works, else loopback;
+#    SLURM_ELASTIC_CLUSTER_MODE=loopback|netns chooses; SLURM_ELASTIC_CLUSTER=0 skips);
+# 3. runs pytest with the given arguments, stops the cluster it started (unless
+#    KEEP_CLUSTER=1) and exits with pytest's status.
+# With CI=true a cluster that fails to start is a failure (rc 3); elsewhere the Slurm
+# tests are then skipped with the reason.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+VENV=$ROOT/.venv
+PY=$VENV/bin/python
+CLUSTER_DIR=${SLURM_ELASTIC_CLUSTER_DIR:-/var/tmp/slurm-elastic-cluster}
+export SLURM_ELASTIC_CLUSTER_DIR=$CLUSTER_DIR
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+say() { printf 'test.sh: %s\n' "$*" >&2; }
+is_ci() { [[ ${CI:-} == true || ${CI:-} == 1 ]]; }
+
+# ---------------------------------------------------------------- venv
+if [[ ! -x $PY ]]; then
+    say "creating $VENV"
+    python3 -m venv "$VENV"
+fi
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+    say "installing torch==2.13.0"
+    "$PY" -m pip install -q torch==2.13.0
+fi
+if ! "$PY" -c 'import slurm_elastic, pytest, pytest_timeout, submitit, matplotlib' 2>/dev/null; then
+    say "installing the package and its dev/plot extras"
+    "$PY" -m pip install -q -e '.[dev,plot]'
+fi
+
+# ---------------------------------------------------------------- cluster
+started_cluster=0
+stop_cluster() {
+    if [[ $started_cluster -eq 1 && ${KEEP_CLUSTER:-0} != 1 ]]; then
+        say "stopping the local Slurm cluster (KEEP_CLUSTER=1 keeps it)"
+        "$ROOT/scripts/slurm-cluster" down || true
+    fi
+}
+trap stop_cluster EXIT
+
+cluster_failed() {
+    if is_ci; then
+        say "error: the local Slurm cluster did not start (CI=true makes that a failure)"
+        exit 3
+    fi
+    say "warning: no local Slurm cluster; the Slurm tests will be skipped"
+}
+
+if [[ ${SLURM_ELASTIC_CLUSTER:-1} != 0 ]]; then
+    if "$ROOT/scripts/slurm-cluster" status >/dev/null 2>&1; then
+        say "using the running local Slurm cluster ($CLUSTER_DIR)"
+    elif [[ $(id -u) -eq 0 ]]; then
+        mode=${SLURM_ELASTIC_CLUSTER_MODE:-}
+        if [[ -z $mode ]]; then
+            if command -v ip >/dev/null && ip netns list >/dev/null 2>&1; then mode=netns; else mode=loopback; fi
+        fi
+        say "starting the local Slurm cluster (mode=$mode)"
+        if "$ROOT/scripts/slurm-cluster" up --mode "$mode"; then
+            started_cluster=1
+        else
+            started_cluster=1 # partial start: clean up on exit
+            cluster_failed
+        fi
+    else
+        cluster_failed
+    fi
+    if [[ -f $CLUSTER_DIR/env ]]; then
+        # shellcheck disable=SC1091
+        source "$CLUSTER_DIR/env"
+    fi
+fi
+
+# ---------------------------------------------------------------- tests
+export PATH=$VENV/bin:$PATH
+rc=0
+"$PY" -m pytest "$@" || rc=$?
+exit "$rc"
