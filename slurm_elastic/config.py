@@ -202,7 +202,7 @@ def _signal_name(value: object) -> str:
 _FIELDS = {f.name: f for f in dataclasses.fields(ElasticConfig)}
 # SLURM_ELASTIC_* variables that are not config keys: set by the agent for its workers,
 # read by the CLI (log level) or by scripts/slurm-cluster (CLUSTER_*).
-_NOT_CONFIG = frozenset({"notice_file", "heartbeat_file", "requeue_count", "log_level"})
+_NOT_CONFIG = frozenset({"notice_file", "heartbeat_file", "requeue_count", "log_level", "cluster"})
 _NOT_CONFIG_PREFIXES = ("cluster_", "test_")
 
 

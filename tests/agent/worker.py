@@ -31,7 +31,7 @@ def record(out: str, **fields: object) -> None:
         world=int(os.environ["WORLD_SIZE"]),
         group_rank=int(os.environ["GROUP_RANK"]),
         restart=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-        node=os.environ.get("SLURM_ELASTIC_TEST_NODE", ""),
+        node=os.environ.get("TEST_NODE_NAME", ""),
         time=time.time(),
     )
     with open(os.path.join(out, "records.jsonl"), "a") as fh:
