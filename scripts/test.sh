@@ -31,7 +31,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
     say "installing torch==2.13.0"
     "$PY" -m pip install -q torch==2.13.0
 fi
-if ! "$PY" -c 'import slurm_elastic, pytest, pytest_timeout, submitit, matplotlib' 2>/dev/null; then
+if ! "$PY" -c 'import slurm_elastic, pytest, pytest_timeout, submitit, matplotlib, etcd' 2>/dev/null; then
     say "installing the package and its dev/plot extras"
     "$PY" -m pip install -q -e '.[dev,plot]'
 fi
@@ -76,6 +76,14 @@ if [[ ${SLURM_ELASTIC_CLUSTER:-1} != 0 ]]; then
         # shellcheck disable=SC1091
         source "$CLUSTER_DIR/env"
     fi
+fi
+
+# ---------------------------------------------------------------- etcd
+# torch's etcd-v2 rendezvous backend is tested against Debian's etcd (v2 API enabled).
+if [[ $(id -u) -eq 0 ]] && ! command -v etcd >/dev/null; then
+    say "installing etcd-server (Debian)"
+    SLURM_ELASTIC_CLUSTER_EXTRA_PACKAGES=etcd-server "$ROOT/scripts/slurm-cluster" install ||
+        say "warning: etcd-server not installed; the etcd-v2 test will fail in CI"
 fi
 
 # ---------------------------------------------------------------- tests
