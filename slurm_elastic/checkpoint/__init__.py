@@ -3,16 +3,26 @@
 Concept: a run's checkpoints live in one directory on the shared filesystem, one
 ``step_<N>/`` directory each, committed by an atomic directory rename with a manifest
 (sizes + CRC32) inside. A reader only ever sees complete checkpoints, and resumes from the
-newest one that verifies. See ``docs/checkpoint.md``.
+newest one that verifies. Full guide: ``docs/checkpoint.md``; adoption in a train.py:
+``examples/checkpoint_minimal.py``.
 
 Contract (what a ``train.py`` relies on):
 
-* :class:`CheckpointManager` ``.save(state, step, blocking=...)`` /
-  ``.flush()`` / ``.load_latest()`` / ``.list_checkpoints()``. Replicated (DDP) state is
-  written by rank 0 only and read by all ranks. An async save blocks only while the state is
-  copied to host memory; at most one save is in flight; ``flush()`` waits (the preemption
-  path calls it). Write failures raise :class:`~slurm_elastic.errors.CheckpointWriteError`
-  naming the path and the cause; previous checkpoints are never touched by a failed save.
+* :class:`CheckpointManager` (``from_env()`` reads ``$SLURM_ELASTIC_CHECKPOINT_DIR``):
+  ``save(state, step, blocking=...)``, ``flush()``, ``load_latest()``, ``list_checkpoints()``.
+  Replicated (DDP) state is written by rank 0 only and read by all ranks. An async save
+  blocks only while the state is copied to host memory; at most one save is in flight;
+  ``flush()`` waits (the preemption path calls it). Failures raise
+  :class:`~slurm_elastic.errors.CheckpointWriteError` naming the path and the cause; a
+  failed save never touches previous checkpoints; damaged ones are skipped with a warning.
+* :func:`training_state` / :func:`restore_training_state`: the bundle (model, optimizer,
+  scheduler, step, epoch, sample offset, per-rank RNG states, world size).
+* :class:`ElasticSampler`: global order per epoch from ``(seed, epoch)`` only, resumable at a
+  global sample offset with any world size (each sample exactly once per epoch).
+* :func:`plan_batches`, :func:`micro_batches`, :func:`loss_scale`: the world-size policy
+  (default: fixed global batch via per-rank shares + gradient accumulation).
+* :mod:`slurm_elastic.checkpoint.sharded`: FSDP/DTensor state through
+  ``torch.distributed.checkpoint`` (reshards on load), same commit protocol.
 """
 
 from slurm_elastic.checkpoint.bundle import (
