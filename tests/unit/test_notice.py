@@ -152,6 +152,7 @@ def test_report_progress_is_rate_limited_and_force_writes(tmp_path: Path) -> Non
 
 def test_report_progress_without_heartbeat_file_is_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(notice.HEARTBEAT_FILE_ENV, raising=False)
+    notice.reload_environment()
     assert notice.report_progress(5) is False
 
 

@@ -1,0 +1,125 @@
+"""Worker-side helper overhead: what slurm_elastic.notice adds to every training step.
+
+Cases, each timed per call in the same run as its baseline (the naive way to do the same):
+
+* ``report_progress`` ours (rate-limited ``pwrite`` through a kept-open descriptor) vs
+  writing the step to the heartbeat file on every call (open + write + close).
+  Target: ratio (ours / baseline time per call) <= 0.05.
+* ``preemption_requested`` ours (flag + notice file stat at most every 0.2 s) vs
+  ``os.path.exists(notice_file)`` on every call. Target: ratio <= 0.2.
+* ``step_overhead`` a 10 ms "training step" (busy loop) with both helpers called vs
+  without them. Target: ratio <= 1.01 (under 1 % slower).
+
+Each number is the median of ``--repeat`` interleaved runs. ``--quick`` uses fewer calls.
+Prints a table and one JSON object per case (keys bench, case, ours, baseline, ratio,
+target, ok, unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from slurm_elastic import notice
+
+
+def per_call(fn: Callable[[int], object], calls: int) -> float:
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved(
+    ours: Callable[[], float], baseline: Callable[[], float], repeat: int
+) -> tuple[float, float]:
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(ours())
+        b.append(baseline())
+    return statistics.median(a), statistics.median(b)
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=5)
+    ns = parser.parse_args()
+    calls = 20_000 if ns.quick else 200_000
+    steps = 100 if ns.quick else 500
+    results = []
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hb = Path(tmp) / "hb"
+        naive = Path(tmp) / "hb-naive"
+        notice_file = Path(tmp) / "notice"
+        os.environ[notice.NOTICE_FILE_ENV] = str(notice_file)
+        os.environ[notice.HEARTBEAT_FILE_ENV] = str(hb)
+
+        def naive_write(step: int) -> None:
+            with open(naive, "w") as fh:
+                fh.write(f"{step}\n")
+
+        ours, base = interleaved(
+            lambda: per_call(notice.report_progress, calls),
+            lambda: per_call(naive_write, calls // 100),
+            ns.repeat,
+        )
+        results.append(("report_progress", ours, base, 0.05, "s/call"))
+
+        notice.preemption_requested()  # installs the handler once
+        ours, base = interleaved(
+            lambda: per_call(lambda _: notice.preemption_requested(), calls),
+            lambda: per_call(lambda _: os.path.exists(notice_file), calls),
+            ns.repeat,
+        )
+        results.append(("preemption_requested", ours, base, 0.2, "s/call"))
+
+        def with_helpers(step: int) -> None:
+            busy(0.01)
+            notice.report_progress(step)
+            notice.preemption_requested()
+
+        ours, base = interleaved(
+            lambda: per_call(with_helpers, steps),
+            lambda: per_call(lambda _: busy(0.01), steps),
+            ns.repeat,
+        )
+        results.append(("step_overhead", ours, base, 1.01, "s/step"))
+
+    print(f"{'case':<22}{'ours':>14}{'baseline':>14}{'ratio':>9}{'target':>9}  ok")
+    records = []
+    for case, ours, base, target, unit in results:
+        ratio = ours / base
+        ok = ratio <= target
+        print(f"{case:<22}{ours:>14.3e}{base:>14.3e}{ratio:>9.3f}{'<=' + str(target):>9}  {ok}")
+        records.append(
+            {
+                "bench": "notice",
+                "case": case,
+                "ours": ours,
+                "baseline": base,
+                "ratio": ratio,
+                "target": f"<={target}",
+                "ok": ok,
+                "unit": unit,
+            }
+        )
+    for r in records:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
