@@ -254,3 +254,35 @@ def test_allocation_script_forwards_preempt_signal_to_agents_and_returns_their_c
 
 def test_array_script_agent_receives_batch_signal_directly(tmp_path: Path) -> None:
     _run_rendered(tmp_path, "elastic_array")
+
+
+def test_templates_ship_in_the_wheel_identical_to_sbatch_templates(tmp_path: Path) -> None:
+    # A non-editable install reads the templates from package data: build the real wheel.
+    pytest.importorskip("setuptools")
+    import zipfile
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("slurm_elastic-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {
+            Path(n).name: zf.read(n).decode()
+            for n in zf.namelist()
+            if n.startswith("slurm_elastic/templates/")
+        }
+    canonical = {p.name: p.read_text() for p in (REPO / "sbatch_templates").glob("*.sbatch")}
+    assert shipped == canonical
