@@ -158,25 +158,25 @@ def _on_preempt_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def install_preemption_handler(
-    sig: str | int | _signal.Signals | None = None,
+    signal: str | int | _signal.Signals | None = None,
 ) -> _signal.Signals:
     """Install a handler that records the preempt signal; idempotent.
 
     Args:
-        sig: the signal to handle; default ``$SLURM_ELASTIC_PREEMPT_SIGNAL`` or ``USR2``
+        signal: the signal to handle; default ``$SLURM_ELASTIC_PREEMPT_SIGNAL`` or ``USR2``
             (the agent sends the one in its config, which it also exports).
 
     Returns:
         The signal now handled.
 
     Raises:
-        ConfigError: ``sig`` is not a signal.
+        ConfigError: ``signal`` is not a signal.
         ValueError: called outside the main thread (Python only lets the main thread
             install signal handlers).
     """
     global _handled_signal
     resolved = parse_signal(
-        sig if sig is not None else os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL)
+        signal if signal is not None else os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL)
     )
     _signal.signal(resolved, _on_preempt_signal)
     _handled_signal = resolved
