@@ -7,8 +7,9 @@ Cases, each timed per call in the same run as its baseline (the naive way to do 
   Target: ratio (ours / baseline time per call) <= 0.05.
 * ``preemption_requested`` ours (flag + notice file stat at most every 0.2 s) vs
   ``os.path.exists(notice_file)`` on every call. Target: ratio <= 0.2.
-* ``step_overhead`` a 10 ms "training step" (busy loop) with both helpers called vs
-  without them. Target: ratio <= 1.01 (under 1 % slower).
+* ``step_overhead`` a ~10 ms "training step" (fixed CPU work, process CPU time) plus the
+  per-step cost of both helpers vs the step alone. Target: ratio <= 1.01 (< 1 % slower).
+  (A direct A/B run of the two loops is noisier than the effect: +-3 % here.)
 
 Each number is the median of ``--repeat`` interleaved runs. ``--quick`` uses fewer calls.
 Prints a table and one JSON object per case (keys bench, case, ours, baseline, ratio,
@@ -46,10 +47,17 @@ def interleaved(
     return statistics.median(a), statistics.median(b)
 
 
-def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+def work() -> int:
+    # a fixed amount of CPU work (~10 ms here), so that other processes on the machine
+    # change neither side's result: timed with process CPU time, not wall time
+    return sum(range(300_000))
+
+
+def cpu_per_call(fn: Callable[[int], object], calls: int) -> float:
+    start = time.process_time()
+    for i in range(calls):
+        fn(i)
+    return (time.process_time() - start) / calls
 
 
 def main() -> None:
@@ -87,16 +95,19 @@ def main() -> None:
         )
         results.append(("preemption_requested", ours, base, 0.2, "s/call"))
 
-        def with_helpers(step: int) -> None:
-            busy(0.01)
+        def helpers(step: int) -> None:
             notice.report_progress(step)
             notice.preemption_requested()
 
-        ours, base = interleaved(
-            lambda: per_call(with_helpers, steps),
-            lambda: per_call(lambda _: busy(0.01), steps),
+        # A direct A/B of "step with helpers" vs "step" cannot resolve < 3 % here: two
+        # identical loops differ by +-3 % on this shared 2-core VM. So: the helpers' cost
+        # per step (tight loop) added to the measured step time.
+        helper_cost, step = interleaved(
+            lambda: per_call(helpers, calls),
+            lambda: cpu_per_call(lambda _: work(), steps),
             ns.repeat,
         )
+        ours, base = step + helper_cost, step
         results.append(("step_overhead", ours, base, 1.01, "s/step"))
 
     print(f"{'case':<22}{'ours':>14}{'baseline':>14}{'ratio':>9}{'target':>9}  ok")
