@@ -211,6 +211,17 @@ def _int(key: str, value: object, minimum: int) -> int:
     return number
 
 
+def _bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"template value {key!r} = {value!r}: expected true or false")
+
+
 def _line(key: str, value: object) -> str:
     text = str(value)
     if "\n" in text or "\r" in text:
@@ -330,7 +341,7 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     for key, option in _SBATCH_OPTION.items():
         if template.get(key) is not None:
             sbatch.append(f"#SBATCH {option}={_line(key, template[key])}")
-    if template.get("exclusive"):
+    if _bool("exclusive", template["exclusive"]):
         sbatch.append("#SBATCH --exclusive")
     sbatch += [f"#SBATCH {arg}" for arg in _words("sbatch_args", template["sbatch_args"])]
     out["sbatch_options"] = "\n".join(sbatch)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from slurm_elastic.errors import ConfigError, SlurmCommandNotFoundError
+from slurm_elastic.slurm import render
 from slurm_elastic.slurm.jobstate import JobInfo
 from slurm_elastic.submit.job import SlurmJob
 from slurm_elastic.submit.request import JobRequest
@@ -112,7 +113,7 @@ def submitit_parameters(request: JobRequest) -> dict[str, Any]:
             params[key] = t[key]
     if t.get("cpus_per_task") is not None:
         params["cpus_per_task"] = int(str(t["cpus_per_task"]))
-    if t.get("exclusive"):
+    if render._bool("exclusive", t.get("exclusive", False)):
         params["exclusive"] = True
     if request.mode == "elastic_array":
         params["nodes"] = 1

@@ -163,3 +163,19 @@ def test_cluster_auto_asks_the_controller(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("PATH", str(tmp_path))
     assert resolve_cluster("auto", client=_Client(up=True)) == "slurm"
     assert resolve_cluster("auto", client=_Client(up=False)) == "local"
+
+
+def test_cli_render_and_submit_dry_run_through_main(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slurm_elastic.cli.main import main
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("entrypoint: train.py\nnnodes: '1:3'\nargs: [--lr, '0.1']\n")
+    assert main(["render", "elastic_array", "--config", str(cfg), "--set", "exclusive=true"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH --array=0-2\n" in text
+    assert "#SBATCH --exclusive\n" in text
+    assert text.rstrip().endswith("exec slurm-elastic agent train.py --lr 0.1")
+    assert main(["submit", str(cfg), "--cluster", "slurm", "--dry-run"]) == 0
+    assert "#SBATCH --array=0-2%3" in capsys.readouterr().out

@@ -183,6 +183,15 @@ def test_newline_in_single_line_value_is_rejected() -> None:
         render.render_template("elastic", {"entrypoint": "t.py", "job_name": "a\n#SBATCH --x"})
 
 
+def test_string_booleans_from_the_command_line() -> None:
+    on = render.render_template("elastic", {"entrypoint": "t.py", "exclusive": "true"})
+    off = render.render_template("elastic", {"entrypoint": "t.py", "exclusive": "false"})
+    assert "#SBATCH --exclusive\n" in on
+    assert "--exclusive" not in off
+    with pytest.raises(ConfigError, match=r"'exclusive' = 'maybe': expected true or false"):
+        render.render_template("elastic", {"entrypoint": "t.py", "exclusive": "maybe"})
+
+
 def test_bad_env_name_and_bad_integer() -> None:
     with pytest.raises(ConfigError, match=r"invalid variable name 'A-B'"):
         render.render_template("elastic", {"entrypoint": "t.py", "env": {"A-B": "1"}})
