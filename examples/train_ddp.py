@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     notice.install_preemption_handler()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # one id per group of workers (each round gets a fresh store); only for the ledger
+    attempt = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
     x, y = synthetic_data(args)
     model = DistributedDataParallel(build_model(args))
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.ledger:
                 with open(args.ledger, "a") as fh:
                     fh.write(json.dumps({"epoch": epoch, "step": step, "rank": rank,
-                                         "world": world, "indices": piece.indices}) + "\n")
+                                         "world": world, "indices": piece.indices,
+                                         "attempt": attempt, "time": time.time()}) + "\n")
             notice.report_progress(step)
             if rank == 0 and step % 10 == 0:
                 print(f"step {step} loss {loss.item():.5f} world {world}", flush=True)

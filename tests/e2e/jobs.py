@@ -1,0 +1,91 @@
+"""Helpers for end-to-end tests: render + submit the real templates, read what happened."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slurm_elastic.events import read_events
+from slurm_elastic.slurm.render import render_template
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train_ddp.py"
+
+# Fast failure detection and short grace periods: the local cluster is one 2-core VM.
+FAST = {
+    "heartbeat_interval_s": 0.5,
+    "heartbeat_miss_limit": 4,
+    "last_call_timeout_s": 2,
+    "monitor_interval_s": 0.2,
+    "shutdown_timeout_s": 30,
+    "join_timeout_s": 300,
+}
+
+
+def job_values(tmp: Path, mode: str, train_args: list[str], **values: Any) -> dict[str, Any]:
+    (tmp / "logs").mkdir(exist_ok=True)
+    return {
+        "entrypoint": str(TRAIN),
+        "args": train_args,
+        "launcher": f"{sys.executable} -m slurm_elastic.cli.main",
+        "output_dir": str(tmp / "logs"),
+        "state_dir": str(tmp / "state"),
+        "setup": "export OMP_NUM_THREADS=1",
+        "job_name": f"e2e-{mode}",
+        **FAST,
+        **values,
+    }
+
+
+def render(mode: str, values: dict[str, Any]) -> str:
+    return render_template(mode, {"mode": mode, **values})
+
+
+def agent_events(state: Path, run_id: str) -> list[dict[str, Any]]:
+    directory = state / "events" / run_id
+    return list(read_events(directory)) if directory.exists() else []
+
+
+def rounds(state: Path, run_id: str, since: float = 0.0) -> list[dict[str, Any]]:
+    """``agent.workers_started`` events (one per node per round) after ``since``."""
+    return [
+        e
+        for e in agent_events(state, run_id)
+        if e["kind"] == "agent.workers_started" and e["time"] >= since
+    ]
+
+
+def effective_ledger(path: Path) -> dict[int, list[int]]:
+    """Samples that made it into the final model, per epoch.
+
+    Steps done by a group of workers that was stopped before its next checkpoint are
+    done again by the next group; the later attempt of a step is the one that counts.
+    """
+    by_step: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = defaultdict(dict)
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        by_step[(rec["epoch"], rec["step"])].setdefault(rec["attempt"], []).append(rec)
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for (epoch, _step), attempts in sorted(by_step.items()):
+        last = max(attempts.values(), key=lambda recs: max(r["time"] for r in recs))
+        for rec in last:
+            per_epoch[epoch].extend(rec["indices"])
+    return per_epoch
+
+
+def assert_each_sample_once_per_full_epoch(ledger: dict[int, list[int]], n: int) -> None:
+    for epoch, seen in ledger.items():
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample was used twice"
+        if epoch < max(ledger):
+            assert sorted(seen) == list(range(n)), f"epoch {epoch}: samples missing"
+
+
+def max_abs_diff(a: Path, b: Path) -> float:
+    pa, pb = torch.load(a), torch.load(b)
+    assert pa.keys() == pb.keys()
+    return max(float((pa[k] - pb[k]).abs().max()) for k in pa)
