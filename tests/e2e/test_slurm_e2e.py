@@ -180,3 +180,87 @@ def test_elastic_array_survives_requeue_usr2_and_partition_preemption(
     ledger = effective_ledger(tmp_path / "ledger.jsonl")
     assert_each_sample_once_per_full_epoch(ledger, DATASET)
     assert max_abs_diff(tmp_path / "params.pt", reference_params(tmp_path, train_args)) < ATOL
+
+
+def worker_pids(tmp: Path) -> list[int]:
+    """PIDs of train_ddp.py workers of this test (all nodes share the PID namespace)."""
+    out = subprocess.run(["pgrep", "-f", f"{TRAIN}.*{tmp}"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    # the agents' command lines name the script too; workers are the agents' children
+    agents = set(
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-f", f"slurm_elastic.cli.main agent.*{TRAIN}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+    )
+    return [p for p in pids if p not in agents]
+
+
+def test_fault_tolerant_job_restarts_the_group_from_the_checkpoint_after_a_worker_is_killed(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    client = slurm_cluster.client
+    train_args = [
+        "--steps",
+        "300",
+        "--dataset-size",
+        str(DATASET),
+        "--global-batch",
+        "16",
+        "--save-every",
+        "20",
+        "--step-time",
+        "0.1",
+        "--out",
+        str(tmp_path / "params.pt"),
+        "--ledger",
+        str(tmp_path / "ledger.jsonl"),
+    ]
+    values = job_values(
+        tmp_path,
+        "fault_tolerant",
+        train_args,
+        nodes=4,
+        nproc_per_node=2,
+        max_restarts=3,
+        partition="low",
+        exclusive=True,
+    )
+    job = client.submit(render("fault_tolerant", values))
+    state = tmp_path / "state"
+    try:
+        wait_for(
+            lambda: training_at(state, job, 8, 0),
+            180,
+            f"8 workers training on 4 nodes\n{logs(tmp_path)}",
+        )
+        wait_for(
+            lambda: (tmp_path / "state" / "checkpoints" / job / "step_20").exists(),
+            120,
+            "the first checkpoint",
+        )
+        t0 = time.time()
+        victim = worker_pids(tmp_path)[-1]
+        os.kill(victim, 9)
+        restarted = wait_for(
+            lambda: [
+                e
+                for e in agent_events(state, job)
+                if e["kind"] == "train.start" and e["time"] > t0 and e["world_size"] == 8
+            ],
+            120,
+            f"the group to restart at 8 workers\n{logs(tmp_path)}",
+        )
+        assert min(e["step"] for e in restarted) >= 20  # resumed from a checkpoint, not step 0
+        info = slurm_cluster.wait_state(job, TERMINAL, timeout=400)
+        assert info.state == JobState.COMPLETED, f"{info}\n{logs(tmp_path)}"
+        kinds = [e["kind"] for e in agent_events(state, job)]
+        assert kinds.count("agent.exit") == 4 and "agent.restart" in kinds
+    finally:
+        client.cancel(job)
+
+    ledger = effective_ledger(tmp_path / "ledger.jsonl")
+    assert_each_sample_once_per_full_epoch(ledger, DATASET)
+    assert max_abs_diff(tmp_path / "params.pt", reference_params(tmp_path, train_args)) < ATOL
