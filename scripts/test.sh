@@ -23,18 +23,8 @@ say() { printf 'test.sh: %s\n' "$*" >&2; }
 is_ci() { [[ ${CI:-} == true || ${CI:-} == 1 ]]; }
 
 # ---------------------------------------------------------------- venv
-if [[ ! -x $PY ]]; then
-    say "creating $VENV"
-    python3 -m venv "$VENV"
-fi
-if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
-    say "installing torch==2.13.0"
-    "$PY" -m pip install -q torch==2.13.0
-fi
-if ! "$PY" -c 'import slurm_elastic, pytest, pytest_timeout, submitit, matplotlib, etcd' 2>/dev/null; then
-    say "installing the package and its dev/plot extras"
-    "$PY" -m pip install -q -e '.[dev,plot]'
-fi
+# shellcheck source=scripts/setup-venv.sh
+source "$ROOT/scripts/setup-venv.sh"
 
 # ---------------------------------------------------------------- cluster
 started_cluster=0

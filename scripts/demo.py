@@ -1,0 +1,177 @@
+"""The slurm_elastic demo, narrated: an elastic array job survives a preemption.
+
+Run through ``scripts/demo.sh`` (which sets up the venv and the local Slurm cluster).
+
+With ``--cluster slurm``: renders the ``elastic_array`` template for examples/train_ddp.py
+(1..4 nodes, one array task per node), submits it, waits until all 4 nodes train in one
+world, preempts array task 1 the way Slurm does (``scancel --signal=USR2``), and narrates
+from the agents' events: the node checkpoints and requeues itself, the survivors go on at
+3 nodes within seconds, the task comes back and the world grows to 4 again, the run
+finishes and nothing of the job is left in the queue.
+
+With ``--cluster local`` (no Slurm here): the same training as 2 local node agents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from slurm_elastic.events import read_events
+from slurm_elastic.slurm.commands import SlurmClient
+from slurm_elastic.slurm.render import render_template
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "train_ddp.py"
+T0 = time.time()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+class Narrator:
+    """Prints each new agent/checkpoint event of the run once, in words."""
+
+    def __init__(self, events_dir: Path) -> None:
+        self.events_dir = events_dir
+        self.seen = 0
+        self.world: int | None = None
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.events_dir.exists():
+            return []
+        events = list(read_events(self.events_dir))
+        new, self.seen = events[self.seen :], len(events)
+        for e in new:
+            kind, host = e["kind"], e.get("host")
+            if kind == "agent.workers_started" and e["group_world_size"] != self.world:
+                self.world = e["group_world_size"]
+                say(f"world is now {self.world} node(s) x 1 worker")
+            elif kind == "agent.signal":
+                say(f"{host}: got {e['signal']} (preemption notice) -> workers checkpoint")
+            elif kind == "agent.requeued":
+                say(f"{host}: left the rendezvous and requeued its own task {e['job']}")
+            elif kind == "checkpoint.saved" and e.get("step", 0) % 100 == 0:
+                say(f"checkpoint step {e['step']} committed ({e.get('seconds', 0):.2f} s)")
+            elif kind == "agent.exit":
+                say(f"{host}: agent exits {e['code']}")
+        return new
+
+    def wait(self, predicate: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            if predicate():
+                return
+            time.sleep(0.3)
+        raise SystemExit(f"demo: timed out waiting for {what}")
+
+
+def run_slurm(work: Path, steps: int) -> int:
+    client = SlurmClient()
+    (work / "logs").mkdir()
+    script = render_template(
+        "elastic_array",
+        {
+            "mode": "elastic_array",
+            "entrypoint": str(TRAIN),
+            "args": [
+                "--steps",
+                str(steps),
+                "--step-time",
+                "0.1",
+                "--dataset-size",
+                "400",
+                "--global-batch",
+                "16",
+                "--save-every",
+                "50",
+            ],
+            "nnodes": "1:4",
+            "nproc_per_node": 1,
+            "cpus_per_task": 2,
+            "launcher": f"{sys.executable} -m slurm_elastic.cli.main",
+            "output_dir": str(work / "logs"),
+            "state_dir": str(work / "state"),
+            "setup": "export OMP_NUM_THREADS=1",
+            "job_name": "demo",
+            "heartbeat_interval_s": 0.5,
+            "last_call_timeout_s": 2,
+            "monitor_interval_s": 0.2,
+        },
+    )
+    (work / "job.sbatch").write_text(script)
+    job = client.submit(script)
+    say(f"submitted array job {job} (4 tasks = 4 nodes; script: {work / 'job.sbatch'})")
+    n = Narrator(work / "state" / "events" / job)
+    trains = lambda k: (
+        [
+            e
+            for e in read_events(n.events_dir)
+            if e["kind"] == "train.start"  # noqa: E731
+            and e["world_size"] == k
+        ]
+        if n.events_dir.exists()
+        else []
+    )
+    try:
+        n.wait(lambda: trains(4), 240, "all 4 nodes training")
+        time.sleep(3)
+        say(f"preempting array task {job}_1: scancel --signal=USR2 --batch (Slurm's notice)")
+        client.cancel(f"{job}_1", signal="USR2", batch=True)
+        mark = len(trains(4))
+        n.wait(lambda: trains(3), 120, "the survivors to go on at 3 nodes")
+        n.wait(lambda: len(trains(4)) > mark, 240, "the requeued task to rejoin")
+        n.wait(
+            lambda: all(i.state.is_terminal for i in client.job_infos(job)),
+            600,
+            "the run to finish",
+        )
+    finally:
+        client.cancel(job)
+    n.poll()
+    states = {i.ref: i.state.value for i in client.job_infos(job)}
+    say(f"array tasks: {states}")
+    left = [q.ref for q in client.queue() if q.array_job_id == job]
+    say(f"left in the queue: {left or 'nothing'}")
+    say(
+        f"checkpoints: {sorted(p.name for p in (work / 'state' / 'checkpoints' / job).glob('step_*'))}"
+    )
+    return 0 if set(states.values()) == {"COMPLETED"} else 1
+
+
+def run_local(work: Path, steps: int) -> int:
+    say("no Slurm cluster here: running 2 local node agents x 2 workers instead")
+    cmd = [
+        sys.executable,
+        "-m",
+        "slurm_elastic.cli.main",
+        "submit",
+        str(ROOT / "examples" / "configs" / "local_demo.yaml"),
+        "--cluster",
+        "local",
+        "--wait",
+    ]
+    return subprocess.call(cmd, cwd=work)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", choices=("slurm", "local"), default="slurm")
+    p.add_argument("--steps", type=int, default=400)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="slurm-elastic-demo-", dir="/var/tmp"))
+    say(f"working directory (shared by all nodes): {work}")
+    rc = run_slurm(work, args.steps) if args.cluster == "slurm" else run_local(work, args.steps)
+    say("demo finished: " + ("OK" if rc == 0 else f"FAILED ({rc})"))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
