@@ -158,7 +158,7 @@ def run_local(work: Path, steps: int) -> int:
         "local",
         "--wait",
     ]
-    return subprocess.call(cmd, cwd=work)
+    return subprocess.call(cmd, cwd=ROOT)  # the config names its entrypoint relative to it
 
 
 def main() -> int:
