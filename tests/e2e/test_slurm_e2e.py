@@ -124,18 +124,23 @@ def test_elastic_array_survives_requeue_usr2_and_partition_preemption(
         nproc_per_node=1,
         cpus_per_task=2,
         partition="low",
+        sbatch_args=["--hold"],
     )
     job = client.submit(render("elastic_array", values))
     state = tmp_path / "state"
     try:
-        # Training starts with the first healthy task; the others join.
-        first = wait_for(lambda: rounds(state, job), 120, "the first round")
+        # Training starts as soon as the first task runs (min_nodes=1)...
+        client.release(f"{job}_0")
+        wait_for(
+            lambda: training_at(state, job, 1, 0), 120, f"task 0 to train alone\n{logs(tmp_path)}"
+        )
+        # ...and the other tasks join it when Slurm starts them.
+        client.release(job)
         wait_for(
             lambda: training_at(state, job, 4, 0),
             180,
             f"training with all 4 nodes in one world\n{logs(tmp_path)}",
         )
-        assert first[0]["group_world_size"] >= 1
 
         def preempt_and_regrow(action: str, act) -> None:  # type: ignore[no-untyped-def]
             t0 = time.time()
