@@ -55,12 +55,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="default: $SLURM_ELASTIC_CHECKPOINT_DIR (set by the agent)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="default: $SLURM_ELASTIC_CHECKPOINT_DIR (set by the agent)",
+    )
     p.add_argument("--out", default=None, help="rank 0 writes the final parameters here")
     p.add_argument("--ledger", default=None, help="append consumed sample indices (JSONL)")
-    p.add_argument("--leave-wait", type=float, default=60.0,
-                   help="after a peer's preemption save, wait this long for the new round")
+    p.add_argument(
+        "--leave-wait",
+        type=float,
+        default=60.0,
+        help="after a peer's preemption save, wait this long for the new round",
+    )
     return p.parse_args(argv)
 
 
@@ -74,8 +81,9 @@ def synthetic_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor
 
 def build_model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(args.seed)
-    return nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(),
-                         nn.Linear(args.hidden, 1))
+    return nn.Sequential(
+        nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)
+    )
 
 
 def any_rank(flag: bool) -> bool:
@@ -108,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         step, epoch, offset = info.step, info.epoch, info.sample_offset
         del loaded
         if rank == 0:
-            print(f"resumed at step {step} (epoch {epoch}, offset {offset}); world "
-                  f"{info.saved_world_size} -> {world}", flush=True)
+            print(
+                f"resumed at step {step} (epoch {epoch}, offset {offset}); world "
+                f"{info.saved_world_size} -> {world}",
+                flush=True,
+            )
     sampler = ElasticSampler(args.dataset_size, args.global_batch, seed=args.seed)
     sampler.set_epoch(epoch, offset)
     events.emit("train.start", step=step, world_size=world, rank=rank)
@@ -120,8 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         if saved[0] == step:
             ckpt.flush()
             return
-        state = training_state(model, opt, sched, step=step, epoch=epoch,
-                               sample_offset=offset, global_batch_size=args.global_batch)
+        state = training_state(
+            model,
+            opt,
+            sched,
+            step=step,
+            epoch=epoch,
+            sample_offset=offset,
+            global_batch_size=args.global_batch,
+        )
         ckpt.save(state, step, blocking=blocking)
         saved[0] = step
 
@@ -136,9 +154,20 @@ def main(argv: list[str] | None = None) -> int:
             step, offset = step + 1, piece.stop
             if args.ledger:
                 with open(args.ledger, "a") as fh:
-                    fh.write(json.dumps({"epoch": epoch, "step": step, "rank": rank,
-                                         "world": world, "indices": piece.indices,
-                                         "attempt": attempt, "time": time.time()}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "epoch": epoch,
+                                "step": step,
+                                "rank": rank,
+                                "world": world,
+                                "indices": piece.indices,
+                                "attempt": attempt,
+                                "time": time.time(),
+                            }
+                        )
+                        + "\n"
+                    )
             notice.report_progress(step)
             if rank == 0 and step % 10 == 0:
                 print(f"step {step} loss {loss.item():.5f} world {world}", flush=True)

@@ -110,16 +110,16 @@ def run_slurm(work: Path, steps: int) -> int:
     job = client.submit(script)
     say(f"submitted array job {job} (4 tasks = 4 nodes; script: {work / 'job.sbatch'})")
     n = Narrator(work / "state" / "events" / job)
-    trains = lambda k: (
-        [
+
+    def trains(nodes: int) -> list[dict[str, Any]]:
+        if not n.events_dir.exists():
+            return []
+        return [
             e
             for e in read_events(n.events_dir)
-            if e["kind"] == "train.start"  # noqa: E731
-            and e["world_size"] == k
+            if e["kind"] == "train.start" and e["world_size"] == nodes
         ]
-        if n.events_dir.exists()
-        else []
-    )
+
     try:
         n.wait(lambda: trains(4), 240, "all 4 nodes training")
         time.sleep(3)

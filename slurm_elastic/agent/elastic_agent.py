@@ -138,8 +138,9 @@ class SlurmElasticAgent(LocalElasticAgent):
                     self._restart_after(state.name.lower(), charge=True)
                     continue
                 if self._membership_changes_within(self._membership_grace_s):
-                    log.info("worker group %s while a peer left: new round (not charged)",
-                             state.name)
+                    log.info(
+                        "worker group %s while a peer left: new round (not charged)", state.name
+                    )
                     self._restart_after("membership", charge=False)
                     continue
                 self._stop_workers(self._worker_group)

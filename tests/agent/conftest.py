@@ -18,29 +18,62 @@ WORKER = Path(__file__).with_name("worker.py")
 class AgentRun:
     """One agent process (one "node") running tests/agent/worker.py."""
 
-    def __init__(self, out: Path, rdzv: Path, run_id: str, nnodes: str, *extra: str,
-                 steps: int = 40, behaviour: str = "", node: str = "n0",
-                 env: dict[str, str] | None = None, backend: str = "slurm",
-                 endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        rdzv: Path,
+        run_id: str,
+        nnodes: str,
+        *extra: str,
+        steps: int = 40,
+        behaviour: str = "",
+        node: str = "n0",
+        env: dict[str, str] | None = None,
+        backend: str = "slurm",
+        endpoint: str | None = None,
+    ) -> None:
         self.out = out
         argv = [
-            sys.executable, "-m", "slurm_elastic.cli.main", "agent",
-            "--nnodes", nnodes, "--nproc-per-node", "2",
-            "--rdzv-backend", backend, "--rdzv-endpoint", endpoint or str(rdzv),
-            "--rdzv-id", run_id,
-            "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-            "--state-dir", str(out / "state"), "--max-restarts", "0",
-            *(["--rdzv-conf", "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1"]
-              if backend == "slurm" else ["--rdzv-conf", "last_call_timeout=1"]),
-            *extra, str(WORKER), str(out), str(steps), behaviour,
+            sys.executable,
+            "-m",
+            "slurm_elastic.cli.main",
+            "agent",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            backend,
+            "--rdzv-endpoint",
+            endpoint or str(rdzv),
+            "--rdzv-id",
+            run_id,
+            "--local-addr",
+            "127.0.0.1",
+            "--monitor-interval",
+            "0.1",
+            "--state-dir",
+            str(out / "state"),
+            "--max-restarts",
+            "0",
+            *(
+                ["--rdzv-conf", "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1"]
+                if backend == "slurm"
+                else ["--rdzv-conf", "last_call_timeout=1"]
+            ),
+            *extra,
+            str(WORKER),
+            str(out),
+            str(steps),
+            behaviour,
         ]
         self.log = open(out / f"agent-{node}.log", "ab")  # noqa: SIM115 - closed in wait()
-        child_env = {**os.environ, "OMP_NUM_THREADS": "1", "TEST_NODE_NAME": node,
-                     **(env or {})}
+        child_env = {**os.environ, "OMP_NUM_THREADS": "1", "TEST_NODE_NAME": node, **(env or {})}
         for key in [k for k in child_env if k.startswith("SLURM")]:
             child_env.pop(key)  # these tests run outside Slurm, whatever the shell is
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=child_env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
 
     def wait(self, timeout: float) -> int:
         try:

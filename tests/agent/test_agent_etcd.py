@@ -47,13 +47,24 @@ def etcd_server(tmp_path: Path) -> Iterator[str]:
     pytest.importorskip("etcd", reason="python-etcd is in the dev extras")
     port, peer = _free_port(), _free_port()
     proc = subprocess.Popen(
-        [binary, "--enable-v2=true", "--data-dir", str(tmp_path / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{port}",
-         "--advertise-client-urls", f"http://127.0.0.1:{port}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "etcd.log", "wb"),  # noqa: SIM115
+        [
+            binary,
+            "--enable-v2=true",
+            "--data-dir",
+            str(tmp_path / "etcd"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "etcd.log", "wb"),  # noqa: SIM115
     )
     try:
         wait_for(lambda: _etcd_healthy(port), 30, "etcd to answer")
@@ -68,8 +79,18 @@ def test_two_agents_form_one_world_over_etcd_v2_and_finish(
     tmp_path: Path, agents: list[AgentRun], etcd_server: str
 ) -> None:
     for node in ("a", "b"):
-        agents.append(AgentRun(tmp_path, tmp_path / "unused", "etcd1", "2", steps=30,
-                               node=node, backend="etcd-v2", endpoint=etcd_server))
+        agents.append(
+            AgentRun(
+                tmp_path,
+                tmp_path / "unused",
+                "etcd1",
+                "2",
+                steps=30,
+                node=node,
+                backend="etcd-v2",
+                endpoint=etcd_server,
+            )
+        )
     for run in agents:
         assert run.wait(150) == ExitCode.FINISHED, agent_log(run)
     starts = [r for r in records(tmp_path) if r["event"] == "start"]

@@ -61,8 +61,18 @@ def test_sigterm_without_notice_checkpoints_and_exits_terminated(
 def test_hung_worker_group_is_restarted_by_the_watchdog(
     tmp_path: Path, agents: list[AgentRun]
 ) -> None:
-    run = AgentRun(tmp_path, tmp_path / "rdzv", "hang1", "1", "--hang-timeout", "3",
-                   "--max-restarts", "1", steps=8, behaviour="hang")
+    run = AgentRun(
+        tmp_path,
+        tmp_path / "rdzv",
+        "hang1",
+        "1",
+        "--hang-timeout",
+        "3",
+        "--max-restarts",
+        "1",
+        steps=8,
+        behaviour="hang",
+    )
     agents.append(run)
     assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
     restarts = {r["restart"] for r in starts(tmp_path)}
@@ -75,8 +85,9 @@ def test_hung_worker_group_is_restarted_by_the_watchdog(
 def test_worker_failure_spends_a_restart_and_resumes_from_the_checkpoint(
     tmp_path: Path, agents: list[AgentRun]
 ) -> None:
-    run = AgentRun(tmp_path, tmp_path / "rdzv", "fail1", "1", "--max-restarts", "1",
-                   steps=8, behaviour="fail")
+    run = AgentRun(
+        tmp_path, tmp_path / "rdzv", "fail1", "1", "--max-restarts", "1", steps=8, behaviour="fail"
+    )
     agents.append(run)
     assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
     second = [r for r in starts(tmp_path) if r["restart"] == 1]
@@ -95,17 +106,34 @@ def test_worker_failure_without_restarts_left_fails_the_agent(
 def test_survivor_keeps_training_when_a_peer_is_preempted_without_spending_restarts(
     tmp_path: Path, agents: list[AgentRun]
 ) -> None:
-    a = AgentRun(tmp_path, tmp_path / "rdzv", "two1", "1:2", steps=10_000, node="a",
-                 env={"WORKER_STEP_S": "0.1"})
-    b = AgentRun(tmp_path, tmp_path / "rdzv", "two1", "1:2", steps=10_000, node="b",
-                 env={"WORKER_STEP_S": "0.1"})
+    a = AgentRun(
+        tmp_path,
+        tmp_path / "rdzv",
+        "two1",
+        "1:2",
+        steps=10_000,
+        node="a",
+        env={"WORKER_STEP_S": "0.1"},
+    )
+    b = AgentRun(
+        tmp_path,
+        tmp_path / "rdzv",
+        "two1",
+        "1:2",
+        steps=10_000,
+        node="b",
+        env={"WORKER_STEP_S": "0.1"},
+    )
     agents += [a, b]
     wait_for(lambda: any(r["world"] == 4 for r in starts(tmp_path)), 90, "a world of 4")
     os.kill(b.proc.pid, signal.SIGUSR2)
     assert b.wait(60) == ExitCode.PREEMPTED, agent_log(b)
     # max_restarts is 0: the survivor only goes on because a departing peer is not charged.
-    wait_for(lambda: [r for r in starts(tmp_path) if r["world"] == 2 and r["node"] == "a"],
-             60, "node a to re-form a world of 2")
+    wait_for(
+        lambda: [r for r in starts(tmp_path) if r["world"] == 2 and r["node"] == "a"],
+        60,
+        "node a to re-form a world of 2",
+    )
     step = int((tmp_path / "step").read_text())
     wait_for(lambda: step_reached(tmp_path, step + 5), 60, "training to go on at world 2")
     os.kill(a.proc.pid, signal.SIGUSR2)
@@ -120,8 +148,11 @@ def test_late_joiner_grows_the_world(tmp_path: Path, agents: list[AgentRun]) -> 
     assert {r["world"] for r in starts(tmp_path)} == {2}
     b = AgentRun(tmp_path, tmp_path / "rdzv", "grow1", "1:2", steps=10_000, node="b")
     agents.append(b)
-    wait_for(lambda: {r["node"] for r in starts(tmp_path) if r["world"] == 4} == {"a", "b"},
-             90, "both nodes in a world of 4")
+    wait_for(
+        lambda: {r["node"] for r in starts(tmp_path) if r["world"] == 4} == {"a", "b"},
+        90,
+        "both nodes in a world of 4",
+    )
     for run in (a, b):
         os.kill(run.proc.pid, signal.SIGTERM)
     assert a.wait(60) == ExitCode.TERMINATED

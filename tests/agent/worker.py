@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     step_file = os.path.join(out, "step")
-    start = int(open(step_file).read()) if os.path.exists(step_file) else 0
+    start = int(Path(step_file).read_text()) if os.path.exists(step_file) else 0
     record(out, event="start", start_step=start)
     for step in range(start, steps):
         t = torch.ones(1)

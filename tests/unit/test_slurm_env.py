@@ -55,7 +55,8 @@ def test_array_task_uses_array_job_id_as_run_id_and_own_task_as_requeue_ref() ->
 
 
 @pytest.mark.parametrize(
-    ("raw", "count"), [("4", 4), ("gpu:2", 2), ("a100:8", 8), ("gpu:a100:4(IDX:0-3)", 4), ("2,2", 2)]
+    ("raw", "count"),
+    [("4", 4), ("gpu:2", 2), ("a100:8", 8), ("gpu:a100:4(IDX:0-3)", 4), ("2,2", 2)],
 )
 def test_gpu_forms(raw: str, count: int) -> None:
     assert SlurmEnv.from_environ({"SLURM_GPUS_ON_NODE": raw}).gpus_per_node == count
