@@ -20,6 +20,7 @@ Modules: :mod:`.filesystem` (the few FS primitives, checks, op counters),
 :mod:`.backend` (lock-free compare-and-set state), :mod:`.run_directory` (epochs,
 requeue safety), :mod:`.heartbeat` (counter heartbeats), :mod:`.worker_store`
 (per-round TCPStore), :mod:`.options` (``--rdzv-conf`` keys), :mod:`.handler`,
+:mod:`.factory` (the creator),
 :mod:`.registration` (wiring, torchrun entry point). See ``docs/rendezvous.md``.
 
 Importing this package does not import torch; its attributes load on first use.
@@ -30,16 +31,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from slurm_elastic.rendezvous.factory import create_handler
     from slurm_elastic.rendezvous.handler import SlurmRendezvousHandler
     from slurm_elastic.rendezvous.options import RendezvousOptions
-    from slurm_elastic.rendezvous.registration import create_handler, register
+    from slurm_elastic.rendezvous.registration import register
 
 __all__ = ["RendezvousOptions", "SlurmRendezvousHandler", "create_handler", "register"]
 
 _LAZY = {
     "SlurmRendezvousHandler": "slurm_elastic.rendezvous.handler",
     "RendezvousOptions": "slurm_elastic.rendezvous.options",
-    "create_handler": "slurm_elastic.rendezvous.registration",
+    "create_handler": "slurm_elastic.rendezvous.factory",
     "register": "slurm_elastic.rendezvous.registration",
 }
 

@@ -49,7 +49,7 @@ __all__ = ["BACKEND_NAME", "FileRendezvousBackend", "decode_state", "encode_reco
 log = logging.getLogger(__name__)
 
 #: The registry name; ``get_backend()`` must return it (torch checks).
-BACKEND_NAME = "slurm"
+BACKEND_NAME = "slurm"  # must equal registration.BACKEND_NAME
 
 _MAGIC = b"SLRDV1\n"
 _HEADER = struct.Struct(">QQI")

@@ -1,90 +1,40 @@
-"""Wiring: build a :class:`SlurmRendezvousHandler` from torch's ``RendezvousParameters``.
+"""Registration of backend ``slurm`` with torch (kept free of torch imports).
 
-Three ways in, one creator (:func:`create_handler`):
+Three ways in, one creator (:func:`slurm_elastic.rendezvous.factory.create_handler`):
 
 * torchrun: the ``torchrun.handlers`` entry point ``slurm`` points at
   :func:`torchrun_entrypoint` (a zero-argument factory returning the creator), so
   ``torchrun --rdzv-backend=slurm --rdzv-endpoint=/shared/dir --rdzv-id=JOB ...`` works;
-* our agent or ``elastic_launch(LaunchConfig(rdzv_backend="slurm", ...))``: the entry
-  point is registered when torch imports its rendezvous package; :func:`register` does it
-  explicitly (idempotent) for environments without installed entry points;
+* ``elastic_launch(LaunchConfig(rdzv_backend="slurm", ...))`` and our agent: torch loads
+  the entry point when it imports its rendezvous package; :func:`register` does it
+  explicitly (idempotent) where entry points are not installed;
 * programmatically: ``create_handler(RendezvousParameters(...))``.
 
-The endpoint is the rendezvous *root directory* (shared filesystem); empty means
-``$SLURM_SUBMIT_DIR/.slurm_elastic/rdzv`` (or ``./.slurm_elastic/rdzv`` outside Slurm).
+This module imports nothing from torch at import time: torch loads the entry point while
+*its* rendezvous package is being imported, and a torch import here would make that a
+circular import whenever this module is imported first.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousHandler,
-    RendezvousParameters,
-    rendezvous_handler_registry,
-)
-
-from slurm_elastic.rendezvous.backend import BACKEND_NAME
-from slurm_elastic.rendezvous.handler import SlurmRendezvousHandler
-from slurm_elastic.rendezvous.options import RendezvousOptions
-from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory
-from slurm_elastic.rendezvous.worker_store import resolve_local_addr
-
-__all__ = ["create_handler", "default_root", "register", "torchrun_entrypoint"]
-
-log = logging.getLogger(__name__)
-
-
-def default_root(environ: Mapping[str, str]) -> Path:
-    """Return the default rendezvous root for ``environ``."""
-    base = environ.get("SLURM_SUBMIT_DIR") or os.getcwd()
-    return Path(base) / ".slurm_elastic" / "rdzv"
-
-
-def create_handler(
-    params: RendezvousParameters, *, environ: Mapping[str, str] | None = None
-) -> SlurmRendezvousHandler:
-    """Create the handler for one agent.
-
-    Args:
-        params: torch's parameters: ``endpoint`` = rendezvous root directory, ``run_id``,
-            ``min_nodes``/``max_nodes``, ``local_addr``, ``config`` (string values, see
-            :mod:`slurm_elastic.rendezvous.options`).
-        environ: the environment to derive Slurm identities and the default address
-            from (default ``os.environ``).
-
-    Raises:
-        RendezvousSetupError: the directory is unsafe or unusable.
-        RendezvousClosedError: this job incarnation already closed the run.
-        ConfigError: an option is malformed.
-    """
-    env = os.environ if environ is None else environ
-    options = RendezvousOptions.from_parameters(params)
-    root = Path(params.endpoint) if params.endpoint else default_root(env)
-    run_dir = RunDirectory(root, params.run_id)
-    incarnation = Incarnation.from_environ(
-        env, generation=options.generation, key=options.incarnation
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousHandler,
+        RendezvousParameters,
     )
-    epoch = run_dir.select_epoch(incarnation)
-    local_addr = resolve_local_addr(options.local_addr, options.interface, env)
-    log.debug(
-        "rendezvous %r: root %s, epoch %d, addr %s", params.run_id, root, epoch.number, local_addr
-    )
-    return SlurmRendezvousHandler(
-        run_id=params.run_id,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        epoch=epoch,
-        incarnation=incarnation,
-        local_addr=local_addr,
-        options=options,
-    )
+
+__all__ = ["BACKEND_NAME", "register", "torchrun_entrypoint"]
+
+#: The registry name (the handler's ``get_backend()`` returns it; torch checks).
+BACKEND_NAME = "slurm"
 
 
 def _creator(params: RendezvousParameters) -> RendezvousHandler:
+    from slurm_elastic.rendezvous.factory import create_handler
+
     return create_handler(params)
 
 
@@ -95,4 +45,6 @@ def torchrun_entrypoint() -> Callable[[RendezvousParameters], RendezvousHandler]
 
 def register() -> None:
     """Register backend ``slurm`` in torch's handler registry (idempotent)."""
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
     rendezvous_handler_registry.register(BACKEND_NAME, _creator)
