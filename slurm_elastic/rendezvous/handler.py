@@ -107,11 +107,13 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         settings: RendezvousSettings,
         backend: FileRendezvousBackend,
         poll_s: float,
+        reform_grace_s: float,
     ) -> None:
         super().__init__(node, holder, settings)
         self._holder = holder
         self._backend = backend
         self._poll_s = poll_s
+        self._reform_grace_s = reform_grace_s
 
     def run(
         self,
@@ -180,7 +182,10 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         last_call = self._state.deadline
         if last_call is not None:
             due = (last_call - datetime.now(timezone.utc)).total_seconds()
-            wake = min(wake, now + max(0.0, due) + 0.005)
+            early = due - self._settings.timeout.last_call.total_seconds() + self._reform_grace_s
+            for at in (due, early):
+                if at > 0:
+                    wake = min(wake, now + at + 0.005)
         seen = self._holder.token
         delay = self._poll_s
         while True:
@@ -192,6 +197,37 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
             if self._backend.latest_generation() != seen:
                 break
         self._holder.invalidate()
+
+
+class _ReformJoinOp(_RendezvousJoinOp):
+    """Torch's join, plus: a re-formation completes once nobody else is expected.
+
+    In a round after the first, every member of the previous round has already left it
+    (that is what started this round) and the nodes that will join are on the wait
+    list. Once the wait list is empty, ``min_nodes`` have joined and a short grace
+    (for nodes between two state writes) has passed, waiting the rest of the last
+    call only delays recovery: the round completes. A node that turns up later is a
+    late joiner as usual (it waits and the members restart).
+    """
+
+    def __init__(self, grace: timedelta) -> None:
+        self._grace = grace
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+        if (
+            not state.closed
+            and not state.complete
+            and state.round > 0
+            and state.deadline is not None
+            and not state.wait_list
+            and ctx.node in state.participants
+            and len(state.participants) >= ctx.settings.min_nodes
+            and datetime.now(timezone.utc)
+            >= state.deadline - ctx.settings.timeout.last_call + self._grace
+        ):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+        return super().__call__(ctx, deadline)
 
 
 class _LeaveOp:
@@ -261,7 +297,15 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         super().__init__(node, settings, BACKEND_NAME, dist.HashStore(), holder)
         self._holder = holder
         self._op_executor = _PollingOpExecutor(
-            node, holder, settings, backend, options.poll_interval_s
+            node,
+            holder,
+            settings,
+            backend,
+            options.poll_interval_s,
+            min(options.reform_grace_s, options.last_call_timeout_s),
+        )
+        self._reform_grace = timedelta(
+            seconds=min(options.reform_grace_s, options.last_call_timeout_s)
         )
         self._epoch = epoch
         self._incarnation = incarnation
@@ -337,10 +381,15 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
 
     def _run_monitor(self, stop: threading.Event) -> None:
         holder = _CounterStateHolder(self._epoch.backend(), self._settings, cache_duration=0)
-        interval = self._options.heartbeat_interval_s
+        # Observe twice per beat interval: verdicts lag a stopped counter by at most
+        # half an interval (the window itself is unchanged).
+        tick = self._options.heartbeat_interval_s / 2
+        ticks = 0
         while not stop.is_set():
             started = time.monotonic()
-            self._monitor.beat()
+            if ticks % 2 == 0:
+                self._monitor.beat()
+            ticks += 1
             try:
                 holder.sync()
                 state = holder.state
@@ -354,7 +403,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                         self._evict(holder, [members[name] for name in dead])
             except Exception as exc:  # the watcher must outlive transient FS errors
                 log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
-            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+            stop.wait(max(0.0, tick - (time.monotonic() - started)))
 
     def _evict(self, holder: _CounterStateHolder, dead: list[_NodeDesc]) -> None:
         for _ in range(64):
@@ -416,7 +465,9 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         while True:
             with self._heartbeat_lock:
                 self._op_executor.run(_RendezvousExitOp(), deadline)
-                self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+                self._op_executor.run(
+                    _ReformJoinOp(self._reform_grace), deadline, self._get_deadline
+                )
                 state = self._holder.state
                 participants = dict(state.participants)
                 round_ = state.round

@@ -52,6 +52,7 @@ def node_file_name(node: str) -> str:
 class _Observation:
     value: int | None
     changed_at: float
+    seen_at: float
 
 
 class HeartbeatMonitor:
@@ -141,10 +142,14 @@ class HeartbeatMonitor:
             node = ring[(start + offset) % len(ring)]
             value = self._reader(node)
             previous = self._seen.get(node)
-            if previous is None or previous.value != value:
-                obs = _Observation(value, now)
+            if previous is None:
+                obs = _Observation(value, now, now)
+            elif previous.value != value:
+                # The change happened between the two observations: take the midpoint,
+                # an unbiased estimate made with this watcher's clock only.
+                obs = _Observation(value, (previous.seen_at + now) / 2, now)
             else:
-                obs = previous
+                obs = _Observation(value, previous.changed_at, now)
             seen[node] = obs
             still = now - obs.changed_at
             if still >= self.window_s:

@@ -20,6 +20,9 @@ interface                    network interface whose IPv4 to advertise     (none
 local_addr                   address to advertise (also ``--local-addr``)  (derived)
 generation / incarnation     override the requeue identities               (derived)
 successors                   ring successors each node watches             2
+reform_grace                 re-formation: wait this long after min_nodes  0.5
+                             joined, then complete once the wait list is
+                             empty (instead of the full last call)
 ==========================  ===========================================  =========
 """
 
@@ -93,6 +96,7 @@ class RendezvousOptions:
     generation: str | None = None
     incarnation: str | None = None
     successors: int = 2
+    reform_grace_s: float = 0.5
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> RendezvousOptions:
@@ -130,4 +134,5 @@ class RendezvousOptions:
             generation=_str(params, "generation"),
             incarnation=_str(params, "incarnation"),
             successors=_int(params, d.successors, "successors", minimum=1),
+            reform_grace_s=_float(params, d.reform_grace_s, "reform_grace", minimum=0.0),
         )

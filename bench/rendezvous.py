@@ -1,0 +1,416 @@
+"""Rendezvous benchmark: ours ("slurm") vs torch's c10d (TCPStore / FileStore) and etcd-v2.
+
+Cases, all measured in this run (ratios are ours / baseline):
+
+* ``formation/N``: N node processes (from a fork server that imported torch) start
+  ``next_rendezvous`` at the same instant (min = max = N); time until the last one has
+  its rank. Baseline: the faster of c10d-TCP and c10d-FileStore. Target ratio <= 1.0.
+  etcd-v2 is measured too when ``etcd`` is installed (reported, not a target).
+* ``metadata_ops``: filesystem metadata operations per agent per formation round
+  (ours, counted by our own code), N = 32 vs N = 8. Target ratio <= 1.2.
+* ``rerdzv/hard_loss_vs_torch_defaults``: 3 nodes (min 2, max 3), SIGKILL of a
+  non-zero rank; time until the survivors have a new round. Ours at its defaults
+  (heartbeat 1 s x 5, last call 3 s; survivors poll ``num_nodes_waiting`` every 0.1 s
+  like an agent) vs c10d-FileStore at torch's defaults (keep-alive 5 s x 3, last call
+  30 s), whose survivors are generously assumed to call ``next_rendezvous`` at the
+  instant of the kill. Target ratio <= 0.35.
+* ``rerdzv/hard_loss_equal_timeouts``: the same with torch at our timeouts
+  (keep-alive 1 s x 5, last call 3 s). Target ratio <= 1.0.
+* ``rerdzv/graceful_leave``: ours, ``leave()`` of one node. Target <= 3 s (absolute;
+  the baseline column shows torch's equal-timeout hard loss, which is what a torch node
+  exiting without closing costs).
+* ``rerdzv/store_host_loss``: SIGKILL of rank 0 (the c10d-TCP store host / the worker
+  store host). Target: ours recovers with one consistent, new worker store; torch
+  c10d-TCP's survivors fail (``RendezvousConnectionError``).
+
+Prints a table and one JSON object per case. ``--quick``: fewer sizes, one repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import closing
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+from slurm_elastic.rendezvous import filesystem as fs
+from slurm_elastic.rendezvous.registration import register
+
+# forkserver, not fork: torch's c10d TCPStore server hangs at creation in a child forked
+# from this process; the fork server imports torch once, so children still start fast.
+_CTX = mp.get_context("forkserver")
+
+
+def _free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- node processes ------------------------------------------------------------------------
+
+
+def _node(conn: Connection, go: Any, params: RendezvousParameters) -> None:
+    torch.set_num_threads(1)
+    logging_off()
+    handler = None
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "create":
+                handler = rendezvous_handler_registry.create_handler(params)
+                conn.send(("ok", None))
+            elif cmd == "rdzv":
+                assert handler is not None
+                while go.value == 0:
+                    time.sleep(0.0005)
+                fs.FS_OPS.reset()
+                info = handler.next_rendezvous()
+                done = time.monotonic()
+                si = info.bootstrap_store_info
+                conn.send(
+                    (
+                        "ok",
+                        {
+                            "done": done,
+                            "rank": info.rank,
+                            "world": info.world_size,
+                            "store": f"{si.master_addr}:{si.master_port}" if si else None,
+                            "ops": fs.FS_OPS.total(),
+                        },
+                    )
+                )
+            elif cmd == "rerdzv":
+                assert handler is not None
+                if arg == "poll":  # like torch's agent: restart when nodes are waiting
+                    while handler.num_nodes_waiting() == 0:
+                        time.sleep(0.1)
+                info = handler.next_rendezvous()
+                si = info.bootstrap_store_info
+                conn.send(
+                    (
+                        "ok",
+                        {
+                            "done": time.monotonic(),
+                            "world": info.world_size,
+                            "store": f"{si.master_addr}:{si.master_port}" if si else None,
+                        },
+                    )
+                )
+            elif cmd == "leave":
+                assert handler is not None
+                t = time.monotonic()
+                handler.leave()  # type: ignore[attr-defined]
+                conn.send(("ok", t))
+        except BaseException as exc:
+            conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=2)}"))
+
+
+def logging_off() -> None:
+    import logging
+
+    logging.disable(logging.CRITICAL)
+
+
+class Node:
+    def __init__(self, go: Any, params: RendezvousParameters) -> None:
+        self.conn, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_node, args=(child, go, params), daemon=True)
+        self.proc.start()
+
+    def send(self, cmd: str, arg: Any = None) -> None:
+        self.conn.send((cmd, arg))
+
+    def recv(self, timeout: float) -> tuple[str, Any]:
+        if not self.conn.poll(timeout):
+            return "err", f"no answer in {timeout} s"
+        return self.conn.recv()  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+
+# -- backends ------------------------------------------------------------------------------
+
+
+class Backends:
+    """Builds RendezvousParameters for each backend; owns the etcd server if any."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.etcd: subprocess.Popen[bytes] | None = None
+        self.etcd_endpoint: str | None = None
+        if shutil.which("etcd"):
+            client, peer = _free_port(), _free_port()
+            self.etcd = subprocess.Popen(
+                ["etcd", "--enable-v2=true", f"--data-dir={work / 'etcd'}",
+                 f"--listen-client-urls=http://127.0.0.1:{client}",
+                 f"--advertise-client-urls=http://127.0.0.1:{client}",
+                 f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                 f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                 f"--initial-cluster=default=http://127.0.0.1:{peer}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            self.etcd_endpoint = f"127.0.0.1:{client}"
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                with closing(socket.socket()) as s:
+                    if s.connect_ex(("127.0.0.1", client)) == 0:
+                        break
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.etcd is not None:
+            self.etcd.terminate()
+            self.etcd.wait(10)
+
+    def kinds(self) -> list[str]:
+        return ["slurm", "c10d-tcp", "c10d-file"] + (["etcd-v2"] if self.etcd else [])
+
+    def params(
+        self, kind: str, case: str, idx: int, nmin: int, nmax: int, conf: dict[str, Any]
+    ) -> RendezvousParameters:
+        run_id = f"{case}-{kind}".replace("/", "-")
+        if kind == "slurm":
+            return RendezvousParameters(
+                "slurm", str(self.work / "rdzv"), run_id, nmin, nmax,
+                local_addr="127.0.0.1", **conf,
+            )  # fmt: skip
+        if kind == "c10d-tcp":
+            return RendezvousParameters(
+                "c10d", f"127.0.0.1:{self.port}", run_id, nmin, nmax,
+                local_addr="127.0.0.1", is_host=str(idx == 0).lower(), **conf,
+            )  # fmt: skip
+        if kind == "c10d-file":
+            return RendezvousParameters(
+                "c10d", str(self.work / f"{run_id}.filestore"), run_id, nmin, nmax,
+                local_addr="127.0.0.1", store_type="file", **conf,
+            )  # fmt: skip
+        if kind == "etcd-v2":
+            return RendezvousParameters(
+                "etcd-v2", str(self.etcd_endpoint), run_id, nmin, nmax,
+                local_addr="127.0.0.1", **conf,
+            )  # fmt: skip
+        raise ValueError(kind)
+
+    def spawn(
+        self, kind: str, case: str, n: int, nmin: int, nmax: int, conf: dict[str, Any]
+    ) -> tuple[list[Node], Any]:
+        self.port = _free_port()
+        go = _CTX.RawValue("i", 0)
+        nodes = [Node(go, self.params(kind, case, i, nmin, nmax, conf)) for i in range(n)]
+        for node in nodes:  # sequential: the c10d-TCP host (index 0) binds first
+            node.send("create")
+            status, value = node.recv(60)
+            if status != "ok":
+                for x in nodes:
+                    x.kill()
+                raise RuntimeError(f"{kind}: create failed: {value}")
+        return nodes, go
+
+
+# -- cases ---------------------------------------------------------------------------------
+
+
+def formation(backends: Backends, kind: str, n: int) -> dict[str, Any]:
+    nodes, go = backends.spawn(kind, f"form{n}-{time.time_ns()}", n, n, n, {})
+    try:
+        for node in nodes:
+            node.send("rdzv")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        go.value = 1
+        results = [node.recv(120) for node in nodes]
+        bad = [v for s, v in results if s != "ok"]
+        if bad:
+            return {"ok": False, "error": bad[0]}
+        vals = [v for _, v in results]
+        ranks = sorted(v["rank"] for v in vals)
+        return {
+            "ok": ranks == list(range(n)),
+            "seconds": max(v["done"] for v in vals) - t0,
+            "ops": statistics.mean(v["ops"] for v in vals),
+        }
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def recovery(
+    backends: Backends, kind: str, conf: dict[str, Any], victim_rank: int, graceful: bool
+) -> dict[str, Any]:
+    nodes, go = backends.spawn(kind, f"rec-{time.time_ns()}", 3, 2, 3, conf)
+    go.value = 1
+    try:
+        for node in nodes:
+            node.send("rdzv")
+        first = []
+        for node in nodes:
+            status, value = node.recv(120)
+            if status != "ok":
+                return {"ok": False, "error": value}
+            first.append(value)
+        old_store = first[0]["store"]
+        if kind == "c10d-tcp" and victim_rank == 0:
+            victim = nodes[0]  # the process hosting c10d's TCPStore (is_host)
+        else:
+            victim = next(
+                nd for nd, r in zip(nodes, first, strict=True) if r["rank"] == victim_rank
+            )
+        survivors = [nd for nd in nodes if nd is not victim]
+        if graceful:
+            victim.send("leave")
+            status, t0 = victim.recv(30)
+        else:
+            t0 = time.monotonic()
+            victim.kill()
+        mode = "poll" if kind == "slurm" else "now"
+        for node in survivors:
+            node.send("rerdzv", mode)
+        results = [node.recv(150) for node in survivors]
+        bad = [v for s, v in results if s != "ok"]
+        if bad:
+            return {"ok": False, "error": bad[0].splitlines()[0]}
+        vals = [v for _, v in results]
+        stores = {v["store"] for v in vals}
+        consistent = len(stores) == 1 and old_store not in stores
+        return {
+            "ok": {v["world"] for v in vals} == {2} and consistent,
+            "seconds": max(v["done"] for v in vals) - t0,
+            "consistent_store": consistent,
+        }
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+# -- driver --------------------------------------------------------------------------------
+
+OURS_DEFAULTS: dict[str, Any] = {}
+TORCH_DEFAULTS: dict[str, Any] = {}
+TORCH_EQUAL = {"keep_alive_interval": "1", "keep_alive_max_attempt": "5", "last_call_timeout": "3"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes, one repetition")
+    ap.add_argument("--sizes", default=None, help="comma list of N for formation")
+    args = ap.parse_args(argv)
+    register()
+    _CTX.set_forkserver_preload(["torch", "slurm_elastic.rendezvous.factory"])
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else (
+        [2, 4, 8, 32] if args.quick else [2, 4, 8, 16, 32]
+    )  # fmt: skip
+    reps = 1 if args.quick else 3
+    lines: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix="bench-rdzv-"))
+    os.chmod(work, 0o700)
+    backends = Backends(work)
+
+    def report(case: str, ours: float | None, baseline: float | None, target: float,
+               ok: bool, unit: str, **extra: Any) -> None:  # fmt: skip
+        ratio = None if ours is None or not baseline else ours / baseline
+        rec = {"bench": "rendezvous", "case": case, "ours": ours, "baseline": baseline,
+               "ratio": ratio, "target": target, "ok": bool(ok), "unit": unit, **extra}  # fmt: skip
+        lines.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    try:
+        ops_by_n: dict[int, float] = {}
+        for n in sizes:
+            times: dict[str, float | None] = {}
+            for kind in backends.kinds():
+                samples = []
+                for _ in range(reps):
+                    r = formation(backends, kind, n)
+                    if not r["ok"]:
+                        print(f"# {kind} N={n} failed: {r.get('error')}", file=sys.stderr)
+                        continue
+                    samples.append(r["seconds"])
+                    if kind == "slurm":
+                        ops_by_n.setdefault(n, r["ops"])
+                times[kind] = statistics.median(samples) if samples else None
+            torch_best = min(
+                (t for k, t in times.items() if k in ("c10d-tcp", "c10d-file") and t), default=None
+            )
+            ours = times["slurm"]
+            report(
+                f"formation/N={n}", ours, torch_best, 1.0,
+                ours is not None and torch_best is not None and ours <= torch_best, "s",
+                c10d_tcp=times.get("c10d-tcp"), c10d_file=times.get("c10d-file"),
+                etcd_v2=times.get("etcd-v2"),
+            )  # fmt: skip
+        if 8 in ops_by_n and 32 in ops_by_n:
+            report(
+                "metadata_ops/N=32_vs_N=8", ops_by_n[32], ops_by_n[8], 1.2,
+                ops_by_n[32] <= 1.2 * ops_by_n[8], "ops/agent/round",
+            )  # fmt: skip
+
+        ours_hard = recovery(backends, "slurm", OURS_DEFAULTS, 1, graceful=False)
+        torch_def = recovery(backends, "c10d-file", TORCH_DEFAULTS, 1, graceful=False)
+        torch_eq = recovery(backends, "c10d-file", TORCH_EQUAL, 1, graceful=False)
+        for case, base, target in (
+            ("rerdzv/hard_loss_vs_torch_defaults", torch_def, 0.35),
+            ("rerdzv/hard_loss_equal_timeouts", torch_eq, 1.0),
+        ):
+            o, b = ours_hard.get("seconds"), base.get("seconds")
+            report(case, o, b, target, bool(ours_hard["ok"] and o and b and o <= target * b), "s")
+        leave = recovery(backends, "slurm", OURS_DEFAULTS, 1, graceful=True)
+        report(
+            "rerdzv/graceful_leave", leave.get("seconds"), torch_eq.get("seconds"), 3.0,
+            bool(leave["ok"] and leave["seconds"] <= 3.0), "s (target absolute)",
+        )  # fmt: skip
+        ours_host = recovery(backends, "slurm", OURS_DEFAULTS, 0, graceful=False)
+        torch_host = recovery(backends, "c10d-tcp", TORCH_EQUAL, 0, graceful=False)
+        report(
+            "rerdzv/store_host_loss", ours_host.get("seconds"), torch_host.get("seconds"), 1.0,
+            bool(ours_host["ok"]) and not torch_host["ok"], "s (target: ours recovers)",
+            ours_recovered=bool(ours_host["ok"]), torch_recovered=bool(torch_host["ok"]),
+            torch_error=torch_host.get("error"),
+        )  # fmt: skip
+    finally:
+        backends.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(f"{'case':<40} {'ours':>9} {'baseline':>9} {'ratio':>7} {'target':>7}  ok")
+    for r in lines:
+        fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+        print(
+            f"{r['case']:<40} {fmt(r['ours']):>9} {fmt(r['baseline']):>9} "
+            f"{fmt(r['ratio']):>7} {fmt(r['target']):>7}  {'yes' if r['ok'] else 'NO'}"
+        )
+    formation_rows = [r for r in lines if r["case"].startswith("formation/")]
+    if formation_rows:
+        print("\nformation detail (s):  N  slurm  c10d-tcp  c10d-file  etcd-v2")
+        for r in formation_rows:
+            print(
+                f"  {r['case'][12:]:>4} {fmt(r['ours']):>6} {fmt(r['c10d_tcp']):>9} "
+                f"{fmt(r['c10d_file']):>10} {fmt(r['etcd_v2']):>8}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
