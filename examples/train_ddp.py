@@ -86,13 +86,6 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     )
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all_reduce)."""
-    t = torch.tensor([1 if flag else 0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -174,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_time:
                 time.sleep(args.step_time)
 
-            stopping_here = notice.preemption_requested()
-            if any_rank(stopping_here):
+            anyone_stopping, stopping_here = notice.preemption_agreed()
+            if anyone_stopping:
                 save(blocking=True)  # together, now: nothing finished is lost
                 if stopping_here:
                     events.emit("train.preempted", step=step, rank=rank)

@@ -160,12 +160,6 @@ def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all_reduce)."""
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
 
 @torch.no_grad()
 def validate(
@@ -275,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_time:
                 time.sleep(args.step_time)
 
-            stopping_here = notice.preemption_requested()
-            if any_rank(stopping_here, device):
+            anyone_stopping, stopping_here = notice.preemption_agreed(device)
+            if anyone_stopping:
                 save(blocking=True)  # together, now: nothing finished is lost
                 if stopping_here:
                     events.emit("train.preempted", step=step, rank=rank)

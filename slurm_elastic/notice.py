@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from slurm_elastic.errors import ConfigError
 
@@ -59,6 +59,7 @@ __all__ = [
     "last_progress",
     "notice_raised",
     "parse_signal",
+    "preemption_agreed",
     "preemption_requested",
     "raise_notice",
     "reload_environment",
@@ -219,6 +220,27 @@ def preemption_requested() -> bool:
                 log.info("preemption notice file %s found", path)
                 return True
     return _flag
+
+
+def preemption_agreed(device: Any = None, group: Any = None) -> tuple[bool, bool]:
+    """Agree across ranks on the notice: ``(any rank's node was told to stop, this one was)``.
+
+    Collective (one 1-element ``all_reduce``, MAX): call it on every rank at the same step
+    boundary. When the first value is True, all ranks save one checkpoint together (nothing
+    finished is lost); the ranks whose own node got the notice (second value) then exit,
+    the others wait for their agent to start the next round without the departing node.
+
+    Args:
+        device: where the flag tensor lives (``"cuda"`` for NCCL); default CPU.
+        group: the process group (default: the world).
+    """
+    import torch
+    import torch.distributed as dist
+
+    local = preemption_requested()
+    flag = torch.tensor([1 if local else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item()), local
 
 
 # ---------------------------------------------------------------------------------------
