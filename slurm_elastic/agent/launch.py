@@ -197,7 +197,7 @@ def run_agent(
 def _worker_environment(
     config: ElasticConfig, slurm: SlurmEnv, notice_file: Path, heartbeat_file: Path
 ) -> dict[str, str]:
-    values = {
+    values: dict[str, object] = {
         "SLURM_ELASTIC_RUN_ID": config.run_id,
         "SLURM_ELASTIC_CHECKPOINT_DIR": config.checkpoint_dir,
         "SLURM_ELASTIC_EVENTS_DIR": config.events_dir,
@@ -208,6 +208,19 @@ def _worker_environment(
         # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
     }
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun sets 1 when several workers share a node; we know the node's CPUs from
+        # Slurm, so give each worker its share (torch would otherwise size its thread
+        # pools by the whole machine, not by the allocation).
+        nproc = config.nproc_per_node or 1
+        cpus = slurm.cpus_on_node or os.cpu_count() or 1
+        values["OMP_NUM_THREADS"] = max(1, cpus // nproc)
+        log.info(
+            "OMP_NUM_THREADS unset: %s per worker (%s CPUs / %s workers)",
+            values["OMP_NUM_THREADS"],
+            cpus,
+            nproc,
+        )
     return {k: str(v) for k, v in values.items() if v is not None}
 
 
