@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes, one repetition")
     ap.add_argument("--sizes", default=None, help="comma list of N for formation")
+    ap.add_argument("--only-formation", action="store_true", help="skip the recovery cases")
+    ap.add_argument("--backends", default=None, help="comma list (default: all available)")
     args = ap.parse_args(argv)
     register()
     _CTX.set_forkserver_preload(["torch", "slurm_elastic.rendezvous.factory"])
@@ -340,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         ops_by_n: dict[int, float] = {}
         for n in sizes:
             times: dict[str, float | None] = {}
-            for kind in backends.kinds():
+            kinds = args.backends.split(",") if args.backends else backends.kinds()
+            for kind in kinds:
                 samples = []
                 for _ in range(reps):
                     r = formation(backends, kind, n)
@@ -351,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                     if kind == "slurm":
                         ops_by_n.setdefault(n, r["ops"])
                 times[kind] = statistics.median(samples) if samples else None
+            ours = times.get("slurm")
             torch_best = min(
                 (t for k, t in times.items() if k in ("c10d-tcp", "c10d-file") and t), default=None
             )
-            ours = times["slurm"]
             report(
                 f"formation/N={n}", ours, torch_best, 1.0,
                 ours is not None and torch_best is not None and ours <= torch_best, "s",
@@ -367,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 ops_by_n[32] <= 1.2 * ops_by_n[8], "ops/agent/round",
             )  # fmt: skip
 
+        if args.only_formation:
+            return 0
         ours_hard = recovery(backends, "slurm", OURS_DEFAULTS, 1, graceful=False)
         torch_def = recovery(backends, "c10d-file", TORCH_DEFAULTS, 1, graceful=False)
         torch_eq = recovery(backends, "c10d-file", TORCH_EQUAL, 1, graceful=False)

@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 # torch never decides a keep-alive is due.
 _NEVER = timedelta(days=3650)
 _POLL_CAP_S = 0.25
+_SLOT_S = 0.005
 
 
 class _CounterStateHolder(_BackendRendezvousStateHolder):
@@ -127,8 +128,14 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         while action != _Action.FINISH:
             has_set = self._holder.sync()
             if has_set is False:
+                # Binary exponential backoff: many nodes joining at once otherwise keep
+                # colliding (each loss costs a re-read and another write attempt).
                 losses += 1
-                time.sleep(random.uniform(0, 0.002 * (2 ** min(losses, 5))))
+                time.sleep(random.uniform(0, _SLOT_S * (2 ** min(losses, 6))))
+                # Others wrote while we slept: decide on a fresh state, or the next
+                # compare-and-set is lost for certain.
+                self._holder.invalidate()
+                self._holder.sync()
             self._state = self._holder.state
             ctx = _RendezvousContext(self._node, self._state, self._settings)
             action = state_handler(ctx, deadline)
@@ -160,6 +167,11 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 deadline = update_deadline(self._settings.timeout.join)
             self._holder.mark_dirty()
+
+    def _record(self, message: str, node_state: Any = None) -> None:
+        # Torch's version builds an event with inspect.stack() (milliseconds of CPU per
+        # call, and per state change); our own events cover the lifecycle.
+        log.debug("%s", message)
 
     def _apply(self, action: _Action) -> None:
         handlers: dict[_Action, Callable[[], None]] = {
@@ -329,6 +341,9 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._active = False
         atexit.register(_leave_at_exit, weakref.ref(self))
 
+    def _record(self, message: str, node_state: Any = None, rank: int | None = None) -> None:
+        log.debug("%s", message)
+
     # -- identity --------------------------------------------------------------------
 
     @property
@@ -363,6 +378,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._active = True
         if self._thread is not None and self._thread.is_alive():
             return
+        self._monitor.reset()
         self._monitor.beat()  # our file exists before we appear in the state
         self._stop = threading.Event()
         self._thread = threading.Thread(

@@ -102,6 +102,10 @@ class HeartbeatMonitor:
         except OSError as exc:  # a missed beat is survivable; a crash of the thread is not
             log.warning("could not write heartbeat %s: %s", self._dir, exc)
 
+    def reset(self) -> None:
+        """Forget every observation (after this watcher paused, e.g. left and rejoined)."""
+        self._seen.clear()
+
     def remove(self) -> None:
         """Delete this node's heartbeat file (graceful leave)."""
         try:
@@ -142,6 +146,8 @@ class HeartbeatMonitor:
             node = ring[(start + offset) % len(ring)]
             value = self._reader(node)
             previous = self._seen.get(node)
+            if previous is not None and now - previous.seen_at > 1.5 * self._interval:
+                previous = None  # this watcher paused: start afresh, never judge across it
             if previous is None:
                 obs = _Observation(value, now, now)
             elif previous.value != value:

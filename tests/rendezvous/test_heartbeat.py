@@ -128,8 +128,21 @@ def test_beat_writes_a_counter_file_read_by_another_monitor(tmp_path: Path) -> N
         writer.beat()
         assert reader.observe(members) == []
         clock.advance(1.0)
-    for _ in range(3):
+    verdicts = []
+    for _ in range(4):  # the writer stopped: dead once its counter stood still for 3 s
+        verdicts.append(reader.observe(members))
         clock.advance(1.0)
-        dead = reader.observe(members)
-    assert dead == [writer.node]
+    assert verdicts == [[], [], [writer.node], [writer.node]]
     assert (tmp_path / "10.0.0.1_12_0").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_paused_watcher_does_not_judge_across_its_pause() -> None:
+    clock, counters = FakeClock(), Counters()
+    m = _monitor("a", clock, counters)
+    counters.bump("b")
+    m.observe(["a", "b"])
+    clock.advance(30.0)  # the watcher was stalled (or out of the ring) for 30 s
+    assert m.observe(["a", "b"]) == []  # b's counter did not move, but we did not watch
+    clock.advance(1.0)
+    counters.bump("b")
+    assert m.observe(["a", "b"]) == []
