@@ -157,3 +157,25 @@ def test_late_joiner_grows_the_world(tmp_path: Path, agents: list[AgentRun]) -> 
         os.kill(run.proc.pid, signal.SIGTERM)
     assert a.wait(60) == ExitCode.TERMINATED
     assert b.wait(60) == ExitCode.TERMINATED
+
+
+def test_torchs_c10d_backend_also_works_under_the_agent(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = AgentRun(
+        tmp_path,
+        tmp_path / "unused",
+        "c10d1",
+        "1",
+        steps=8,
+        backend="c10d",
+        endpoint=f"127.0.0.1:{port}",
+    )
+    agents.append(run)
+    assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
+    assert {(r["rank"], r["world"]) for r in starts(tmp_path)} == {(0, 2), (1, 2)}
