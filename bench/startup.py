@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"{result['case']:8s} {o:8.2f} {b:10.2f} {o / b:6.2f} {TARGET:6.2f} {result['ok']}")
     print()
-    print("breakdown (median seconds after job start): worker process / torch imported / "
-          "process group / first step")
+    print(
+        "breakdown (median seconds after job start): worker process / torch imported / "
+        "process group / first step"
+    )
     for r in results:
         for side in ("ours", "baseline"):
             bd = r[f"{side}_breakdown"]

@@ -69,11 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=16, help="channels of the first stage")
     p.add_argument("--global-batch", type=int, default=64, help="samples per step, all ranks")
     p.add_argument("--max-micro-batch", type=int, default=None, help="accumulate above this")
-    p.add_argument("--local-batch", type=int, default=None,
-                   help="keep the per-rank batch instead of the global one (LR scaled)")
+    p.add_argument(
+        "--local-batch",
+        type=int,
+        default=None,
+        help="keep the per-rank batch instead of the global one (LR scaled)",
+    )
     p.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="linear")
-    p.add_argument("--base-world-size", type=int, default=None,
-                   help="world size the LR was tuned for (--local-batch only)")
+    p.add_argument(
+        "--base-world-size",
+        type=int,
+        default=None,
+        help="world size the LR was tuned for (--local-batch only)",
+    )
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-4)
@@ -83,11 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     p.add_argument("--print-freq", type=int, default=10)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="default: $SLURM_ELASTIC_CHECKPOINT_DIR (set by the agent)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="default: $SLURM_ELASTIC_CHECKPOINT_DIR (set by the agent)",
+    )
     p.add_argument("--out", default=None, help="rank 0 writes the final parameters here")
-    p.add_argument("--leave-wait", type=float, default=60.0,
-                   help="after a peer's preemption save, wait this long for the new round")
+    p.add_argument(
+        "--leave-wait",
+        type=float,
+        default=60.0,
+        help="after a peer's preemption save, wait this long for the new round",
+    )
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     return p.parse_args(argv)
 
@@ -111,9 +126,11 @@ class SyntheticImages:
 
     def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         shape = self.prototypes.shape[1:]
-        images = [self.prototypes[self.labels[i]]
-                  + torch.randn(shape, generator=torch.Generator().manual_seed(self.base + i))
-                  for i in indices]
+        images = [
+            self.prototypes[self.labels[i]]
+            + torch.randn(shape, generator=torch.Generator().manual_seed(self.base + i))
+            for i in indices
+        ]
         x = torch.stack(images) if images else torch.empty(0, *shape)
         return x.to(device), self.labels[indices].to(device)
 
@@ -127,8 +144,9 @@ class BasicBlock(nn.Module):
         self.norm2 = nn.GroupNorm(4, cout)
         self.skip: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.skip = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                      nn.GroupNorm(4, cout))
+            self.skip = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(4, cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.norm1(self.conv1(x)))
@@ -139,9 +157,15 @@ def tiny_resnet(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(args.seed)
     w = args.width
     return nn.Sequential(
-        nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.GroupNorm(4, w), nn.ReLU(),
-        BasicBlock(w, w, 1), BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 4 * w, 2),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, args.num_classes),
+        nn.Conv2d(3, w, 3, 1, 1, bias=False),
+        nn.GroupNorm(4, w),
+        nn.ReLU(),
+        BasicBlock(w, w, 1),
+        BasicBlock(w, 2 * w, 2),
+        BasicBlock(2 * w, 4 * w, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * w, args.num_classes),
     )
 
 
@@ -158,7 +182,6 @@ def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
-
 
 
 @torch.no_grad()
@@ -195,20 +218,31 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     if args.local_batch:  # per-rank batch kept: the global batch and the LR follow the world
-        plan = plan_batches(world, local_batch_size=args.local_batch, mode="fixed_local",
-                            max_micro_batch=args.max_micro_batch, lr_scaling=args.lr_scaling,
-                            base_world_size=args.base_world_size)
+        plan = plan_batches(
+            world,
+            local_batch_size=args.local_batch,
+            mode="fixed_local",
+            max_micro_batch=args.max_micro_batch,
+            lr_scaling=args.lr_scaling,
+            base_world_size=args.base_world_size,
+        )
     else:  # default: the same global batch, so the same math, at any world size
-        plan = plan_batches(world, global_batch_size=args.global_batch,
-                            max_micro_batch=args.max_micro_batch)
+        plan = plan_batches(
+            world, global_batch_size=args.global_batch, max_micro_batch=args.max_micro_batch
+        )
     train = SyntheticImages(args.dataset_size, args, split=0)
     val = SyntheticImages(args.val_size, args, split=1)
     model = DistributedDataParallel(tiny_resnet(args).to(device))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * plan.lr_factor,
-                          momentum=args.momentum, weight_decay=args.weight_decay)
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=args.lr * plan.lr_factor,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+    )
     steps_per_epoch = -(-args.dataset_size // plan.global_batch_size)
     sched = torch.optim.lr_scheduler.StepLR(  # stepped every step: the period is in steps
-        opt, step_size=max(1, args.lr_step_epochs * steps_per_epoch), gamma=args.lr_gamma)
+        opt, step_size=max(1, args.lr_step_epochs * steps_per_epoch), gamma=args.lr_gamma
+    )
     ckpt = CheckpointManager.from_env(args.checkpoint_dir, keep_last=3)
 
     step, epoch, offset = 0, 0, 0
@@ -222,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] *= plan.lr_factor / float(info.extra.get("lr_factor", 1.0))
         if rank == 0:
-            print(f"resumed at step {step} (epoch {epoch}, offset {offset}); world "
-                  f"{info.saved_world_size} -> {world}", flush=True)
+            print(
+                f"resumed at step {step} (epoch {epoch}, offset {offset}); world "
+                f"{info.saved_world_size} -> {world}",
+                flush=True,
+            )
     sampler = ElasticSampler(args.dataset_size, plan.global_batch_size, seed=args.seed)
     sampler.set_epoch(epoch, offset)
     events.emit("train.start", step=step, world_size=world, rank=rank)
@@ -233,9 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         if saved[0] == step:
             ckpt.flush()
             return
-        state = training_state(model, opt, sched, step=step, epoch=epoch, sample_offset=offset,
-                               global_batch_size=plan.global_batch_size,
-                               extra={"lr_factor": plan.lr_factor})
+        state = training_state(
+            model,
+            opt,
+            sched,
+            step=step,
+            epoch=epoch,
+            sample_offset=offset,
+            global_batch_size=plan.global_batch_size,
+            extra={"lr_factor": plan.lr_factor},
+        )
         ckpt.save(state, step, blocking=blocking)
         saved[0] = step
 
@@ -263,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                 total, top1, top5 = sum_over_ranks([loss_sum, *hits], device)
                 if rank == 0:
                     n = piece.global_size
-                    print(f"epoch {epoch} step {step} loss {total / n:.4f} top1 "
-                          f"{100 * top1 / n:.1f} top5 {100 * top5 / n:.1f} world {world}",
-                          flush=True)
+                    print(
+                        f"epoch {epoch} step {step} loss {total / n:.4f} top1 "
+                        f"{100 * top1 / n:.1f} top5 {100 * top5 / n:.1f} world {world}",
+                        flush=True,
+                    )
             if args.step_time:
                 time.sleep(args.step_time)
 
