@@ -155,7 +155,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         message = f"no Slurm cluster: {why}"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{message} (CI=true: a cluster is required)", pytrace=False)
-        pytest.skip(message)
+        pytest.skip(reason=message)
     saved = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
     try:
@@ -171,5 +171,5 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 def slurm_netns_cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
     """The local cluster, when it runs in netns mode (skips otherwise)."""
     if slurm_cluster.mode != "netns":
-        pytest.skip(f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r} mode")
+        pytest.skip(reason=f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r} mode")
     return slurm_cluster

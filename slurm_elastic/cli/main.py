@@ -23,12 +23,16 @@ from typing import Any
 from slurm_elastic import __version__
 from slurm_elastic.errors import SlurmElasticError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "configure_logging", "main"]
 
 log = logging.getLogger("slurm_elastic.cli")
 
 
-def _configure_logging(verbosity: int) -> None:
+def configure_logging(verbosity: int) -> None:
+    """Configure the root logger for a slurm_elastic program (CLI, local node process).
+
+    ``SLURM_ELASTIC_LOG_LEVEL`` wins over ``verbosity`` (-1 quiet, 0 info, 2 debug).
+    """
     level = os.environ.get("SLURM_ELASTIC_LOG_LEVEL") or (
         "DEBUG" if verbosity > 1 else "INFO" if verbosity >= 0 else "WARNING"
     )
@@ -234,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``slurm-elastic``; returns the process exit status."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    _configure_logging(-1 if ns.quiet else ns.verbose)
+    configure_logging(-1 if ns.quiet else ns.verbose)
     try:
         return int(ns.func(ns))
     except SlurmElasticError as exc:

@@ -100,9 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # A program entry (like the CLI), so it may configure logging.
-    logging.basicConfig(
-        level=os.environ.get("SLURM_ELASTIC_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s local-node %(process)d %(levelname)s %(name)s: %(message)s",
-    )
+    # A program entry like the CLI: logging is configured by the CLI's one function.
+    from slurm_elastic.cli.main import configure_logging
+
+    configure_logging(0)
     sys.exit(main())

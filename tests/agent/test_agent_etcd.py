@@ -6,6 +6,7 @@ etcd-v2 handler (which needs the ``python-etcd`` client from the dev extras).
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -41,9 +42,11 @@ def _etcd_healthy(port: int) -> bool:
 def etcd_server(tmp_path: Path) -> Iterator[str]:
     binary = shutil.which("etcd")
     if binary is None:
-        if __import__("os").environ.get("CI") in ("true", "1"):
+        if os.environ.get("CI") in ("true", "1"):
             pytest.fail("etcd is not installed: scripts/test.sh installs etcd-server as root")
-        pytest.skip("no etcd binary (Debian package etcd-server; scripts/test.sh installs it)")
+        pytest.skip(
+            reason="no etcd binary (Debian package etcd-server; scripts/test.sh installs it)"
+        )
     pytest.importorskip("etcd", reason="python-etcd is in the dev extras")
     port, peer = _free_port(), _free_port()
     proc = subprocess.Popen(

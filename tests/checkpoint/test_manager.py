@@ -211,7 +211,7 @@ def test_sigkill_after_commit_keeps_the_new_checkpoint(tmp_path: Path) -> None:
 
 def _mount_tmpfs(path: Path, size: str) -> None:
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (ENOSPC / read-only tests)")
+        pytest.skip(reason="mounting a tmpfs needs root (ENOSPC / read-only tests)")
     path.mkdir()
     res = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
@@ -220,7 +220,7 @@ def _mount_tmpfs(path: Path, size: str) -> None:
         timeout=30,
     )
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+        pytest.skip(reason=f"cannot mount a tmpfs here: {res.stderr.strip()}")
 
 
 @pytest.fixture
@@ -265,7 +265,7 @@ def test_read_only_filesystem_raises_a_clear_error_and_previous_loads(small_fs: 
         ["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True, timeout=30
     )
     if res.returncode != 0:
-        pytest.skip(f"cannot remount read-only: {res.stderr.strip()}")
+        pytest.skip(reason=f"cannot remount read-only: {res.stderr.strip()}")
     with pytest.raises(CheckpointWriteError, match=r"read-only.*ckpt"):
         mgr.save(state_for(2), 2)
     loaded = mgr.load_latest()

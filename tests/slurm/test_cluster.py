@@ -15,6 +15,7 @@ import pytest
 
 from slurm_elastic.errors import SlurmControllerError
 from slurm_elastic.slurm.commands import SlurmClient, SlurmJobNotFoundError
+from slurm_elastic.slurm.hostlist import expand_hostlist
 from slurm_elastic.slurm.jobstate import JobState
 from tests.conftest import SlurmCluster
 from tests.helpers import wait_for
@@ -168,10 +169,6 @@ while true; do sleep 0.1; done
 
 
 def test_hostlist_expansion_agrees_with_scontrol(slurm_cluster: SlurmCluster) -> None:
-    try:
-        from slurm_elastic.slurm.hostlist import expand_hostlist
-    except ImportError as exc:  # written by another engineer
-        pytest.skip(f"slurm_elastic.slurm.hostlist not available yet: {exc}")
     cases = [
         "n[1-3,5]",
         "n[001-010]",
