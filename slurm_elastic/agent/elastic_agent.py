@@ -47,8 +47,9 @@ class SlurmElasticAgent(LocalElasticAgent):
             since they started, if they never did); only consulted when ``hang_timeout_s``
             is set.
         hang_timeout_s: restart the group after this long without progress; ``None`` = off.
-        on_workers_started: called after each (re)start of the local workers (the launcher
-            clears the per-round notice and progress files there).
+        before_round: called before each rendezvous round and (re)start of the local
+            workers, once the previous ones are stopped (the launcher clears the
+            per-round notice and progress files there).
         kwargs: passed to :class:`LocalElasticAgent`.
     """
 
@@ -58,20 +59,18 @@ class SlurmElasticAgent(LocalElasticAgent):
         membership_grace_s: float,
         progress_age_s: Callable[[], float],
         hang_timeout_s: float | None,
-        on_workers_started: Callable[[WorkerGroup], None],
+        before_round: Callable[[WorkerGroup], None],
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._membership_grace_s = membership_grace_s
         self._progress_age_s = progress_age_s
         self._hang_timeout_s = hang_timeout_s
-        self._on_workers_started = on_workers_started
-        self.rounds = 0
+        self._before_round = before_round
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        self._before_round(worker_group)
         super()._initialize_workers(worker_group)
-        self.rounds += 1
-        self._on_workers_started(worker_group)
         nodes = worker_group.group_world_size or 0
         world = nodes * worker_group.spec.local_world_size
         log.info(

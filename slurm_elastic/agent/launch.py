@@ -253,6 +253,8 @@ def _run(
     try:
         params = rendezvous_parameters(config, rdzv_conf)
         handler = rdzv_registry.get_rendezvous_handler(params)
+    except SignalException:  # stopped before there was anything to stop
+        return _after_signal(config, slurm, client, None, stop)
     except (SlurmElasticError, RendezvousError, ValueError) as exc:
         log.error("cannot set up the rendezvous: %s", exc)
         events.emit("agent.exit", code=ExitCode.RENDEZVOUS_FAILED.name, error=str(exc))
@@ -269,11 +271,10 @@ def _run(
         monitor_interval=config.monitor_interval_s,
         local_addr=config.local_addr,
     )
-    started_at = [time.time()]
 
-    def on_started(group: WorkerGroup) -> None:
-        started_at[0] = time.time()
-        # A new round starts clean: no stale notice, no progress from the last attempt.
+    def before_round(group: WorkerGroup) -> None:
+        # The old workers are stopped: the next ones start clean, with no stale notice
+        # and no progress report of the last attempt.
         notice.clear_notice(notice_file)
         notice.clear_notice(heartbeat_file)
 
@@ -282,9 +283,7 @@ def _run(
         # data loading, process-group init) may legitimately take long, and a peer that
         # never arrives is the rendezvous' business, not the watchdog's.
         last = notice.last_progress(heartbeat_file)
-        if last is None:
-            return 0.0
-        return time.time() - max(started_at[0], last.time)
+        return 0.0 if last is None else time.time() - last.time
 
     agent = SlurmElasticAgent(
         spec=spec,
@@ -299,7 +298,7 @@ def _run(
         membership_grace_s=config.heartbeat_interval_s * (config.heartbeat_miss_limit + 1),
         progress_age_s=progress_age_s,
         hang_timeout_s=config.hang_timeout_s,
-        on_workers_started=on_started,
+        before_round=before_round,
     )
 
     code = ExitCode.FAILED
