@@ -44,9 +44,7 @@ def etcd_server(tmp_path: Path) -> Iterator[str]:
     if binary is None:
         if os.environ.get("CI") in ("true", "1"):
             pytest.fail("etcd is not installed: scripts/test.sh installs etcd-server as root")
-        pytest.skip(
-            reason="no etcd binary (Debian package etcd-server; scripts/test.sh installs it)"
-        )
+        pytest.skip(reason="no etcd binary (Debian etcd-server; scripts/test.sh installs it)")
     pytest.importorskip("etcd", reason="python-etcd is in the dev extras")
     port, peer = _free_port(), _free_port()
     proc = subprocess.Popen(
