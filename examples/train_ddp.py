@@ -170,15 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             anyone_stopping, stopping_here = notice.preemption_agreed()
             if anyone_stopping:
                 save(blocking=True)  # together, now: nothing finished is lost
-                if stopping_here:
+                # This node stops; or a peer's node does, and our agent will stop these
+                # workers for the next round (they resume from the checkpoint just saved).
+                if stopping_here or notice.await_new_round(args.leave_wait):
                     events.emit("train.preempted", step=step, rank=rank)
                     return 0
-                # A peer is leaving: its agent leaves the rendezvous and ours starts a
-                # new round (these workers are stopped). Going on would fail in the
-                # next collective, which the agent would then have to notice.
-                deadline = time.monotonic() + args.leave_wait
-                while time.monotonic() < deadline:
-                    time.sleep(0.1)
             elif step % args.save_every == 0:
                 save(blocking=False)
             if step >= args.steps:

@@ -318,14 +318,11 @@ def main(argv: list[str] | None = None) -> int:
             anyone_stopping, stopping_here = notice.preemption_agreed(device)
             if anyone_stopping:
                 save(blocking=True)  # together, now: nothing finished is lost
-                if stopping_here:
+                # This node stops; or a peer's node does, and our agent will stop these
+                # workers for the next round (they resume from the checkpoint just saved).
+                if stopping_here or notice.await_new_round(args.leave_wait):
                     events.emit("train.preempted", step=step, rank=rank)
                     return 0
-                # A peer is leaving; its agent leaves the rendezvous and ours starts a new
-                # round (these workers get stopped). Going on would fail in a collective.
-                deadline = time.monotonic() + args.leave_wait
-                while time.monotonic() < deadline:
-                    time.sleep(0.1)
             elif args.save_every and step % args.save_every == 0:
                 save(blocking=False)
             if done():

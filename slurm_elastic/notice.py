@@ -54,6 +54,7 @@ __all__ = [
     "PREEMPT_SIGNAL_ENV",
     "PROGRESS_MIN_INTERVAL_S",
     "Progress",
+    "await_new_round",
     "clear_notice",
     "install_preemption_handler",
     "last_progress",
@@ -241,6 +242,30 @@ def preemption_agreed(device: Any = None, group: Any = None) -> tuple[bool, bool
     flag = torch.tensor([1 if local else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item()), local
+
+
+def await_new_round(timeout_s: float = 60.0, poll_s: float = 0.1) -> bool:
+    """After a peer's preemption save, idle until the agent stops these workers.
+
+    The departing node's agent leaves the rendezvous; this node's agent then starts a new
+    round and stops these workers, which resume from the checkpoint just saved. Training
+    on meanwhile would only fail in the next collective.
+
+    Args:
+        timeout_s: give up waiting after this long (the caller then goes on; a failing
+            collective tells the agent instead).
+        poll_s: how often to look for this node's own notice.
+
+    Returns:
+        True if this node got its own notice meanwhile (the caller should exit: the
+        checkpoint is current), False after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if preemption_requested():
+            return True
+        time.sleep(poll_s)
+    return preemption_requested()
 
 
 # ---------------------------------------------------------------------------------------

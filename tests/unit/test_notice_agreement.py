@@ -1,4 +1,4 @@
-"""``notice.preemption_agreed``: one rank's notice becomes every rank's decision (real gloo)."""
+"""`notice.preemption_agreed` and `notice.await_new_round` across real processes (gloo)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import wait_for
 
 CHILD = r"""
 import os, sys
@@ -52,3 +54,41 @@ def test_without_notice_nobody_stops(tmp_path: Path) -> None:
         for r in range(3)
     ]
     assert [p.communicate(timeout=120)[0].strip() for p in procs] == ["(False, False)"] * 3
+
+
+AWAIT = r"""
+import sys, time
+from pathlib import Path
+
+from tests.helpers import wait_for
+from slurm_elastic import notice
+Path(sys.argv[1]).write_text("ready")
+start = time.monotonic()
+got = notice.await_new_round(float(sys.argv[2]), poll_s=0.02)
+print(got, round(time.monotonic() - start, 2))
+"""
+
+
+def test_await_new_round_returns_as_soon_as_this_node_gets_its_notice(tmp_path: Path) -> None:
+    notice_file, ready = tmp_path / "notice", tmp_path / "ready"
+    env = {**os.environ, "SLURM_ELASTIC_NOTICE_FILE": str(notice_file)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AWAIT, str(ready), "60"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    wait_for(ready.exists, 60, "the worker to start waiting")
+    notice_file.write_text("preempt\n")
+    got, waited = proc.communicate(timeout=60)[0].split()
+    assert got == "True" and float(waited) < 30
+
+
+def test_await_new_round_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    env = {**os.environ, "SLURM_ELASTIC_NOTICE_FILE": str(tmp_path / "never")}
+    out = subprocess.run(
+        [sys.executable, "-c", AWAIT, str(tmp_path / "ready"), "0.3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert out[0] == "False" and float(out[1]) >= 0.3
