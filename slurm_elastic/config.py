@@ -20,34 +20,91 @@ import difflib
 import os
 import re
 import signal
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from slurm_elastic import envvars
 from slurm_elastic.errors import ConfigError
+from slurm_elastic.signals import DEFAULT_PREEMPT_SIGNAL, preempt_signal_name
 from slurm_elastic.slurm.env import SlurmEnv
 
 __all__ = [
     "ENV_PREFIX",
     "RDZV_BACKENDS",
     "REQUEUE_POLICIES",
+    "CliFlag",
     "ElasticConfig",
+    "Rule",
+    "cli_flags",
+    "field_default",
+    "field_rule",
+    "field_type",
     "load_config",
     "parse_nnodes",
 ]
 
-ENV_PREFIX = "SLURM_ELASTIC_"
+ENV_PREFIX = envvars.PREFIX
 RDZV_BACKENDS = ("slurm", "c10d", "etcd-v2", "etcd", "static")
 REQUEUE_POLICIES = ("never", "preempt", "always")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(frozen=True)
+class Rule:
+    """The one validation rule of a config field (``None`` values are not checked).
+
+    Attributes:
+        text: the rule as the error message states it (``"must be >= 2"``).
+        ok: whether a (non-``None``) value satisfies it.
+    """
+
+    text: str
+    ok: Callable[[Any], bool]
+
+
+def _at_least(minimum: float, unit: str = "") -> Rule:
+    return Rule(f"must be >= {minimum:g}{unit}", lambda v: v >= minimum)
+
+
+_SECONDS = Rule("must be > 0 seconds", lambda v: v > 0)
+
+
+@dataclass(frozen=True)
+class CliFlag:
+    """How a config field appears on the command line (``slurm-elastic agent``/``config``).
+
+    Attributes:
+        names: the flags, first the canonical one (torchrun's spellings as aliases).
+        help: the help text.
+        choices: the accepted values, if a closed set.
+    """
+
+    names: tuple[str, ...]
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def _field(
+    default: Any, rule: Rule | None = None, flag: CliFlag | None = None
+) -> Any:  # Any: dataclasses.field's own return type
+    return field(default=default, metadata={"rule": rule, "flag": flag})
+
+
+def _flag(*names: str, help: str | None = None, choices: tuple[str, ...] | None = None) -> CliFlag:
+    return CliFlag(tuple(names), help, choices)
+
+
+@dataclass(frozen=True)
 class ElasticConfig:
     """Everything the agent, rendezvous and checkpoints need for one run.
+
+    Each field carries its one validation rule (:func:`field_rule`; the rendezvous
+    options of the same name use the same rule) and, if it has one, its command-line
+    flag (:func:`cli_flags`) in its metadata.
 
     Attributes:
         min_nodes: the job starts once this many agents are healthy.
@@ -66,7 +123,8 @@ class ElasticConfig:
         join_timeout_s: how long a node waits for a rendezvous to form.
         last_call_timeout_s: extra wait for more nodes once ``min_nodes`` have joined.
         heartbeat_interval_s: how often an agent proves it is alive.
-        heartbeat_miss_limit: missed heartbeats (observed by a peer) before eviction.
+        heartbeat_miss_limit: missed heartbeats (observed by a peer) before eviction;
+            at least 2, so that one late observation never evicts a live node.
         close_timeout_s: how long closing the rendezvous may take.
         shutdown_timeout_s: grace budget on preemption: checkpoint flush + worker stop.
         hang_timeout_s: a worker group with no progress report for this long is
@@ -79,86 +137,79 @@ class ElasticConfig:
         max_requeues: stop requeueing once ``SLURM_RESTART_COUNT`` reaches this.
     """
 
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int | None = None
-    run_id: str | None = None
-    state_dir: Path = Path(".slurm_elastic")
-    rdzv_backend: str = "slurm"
-    rdzv_endpoint: str | None = None
-    checkpoint_dir: Path | None = None
+    min_nodes: int = _field(1, _at_least(1))
+    max_nodes: int = 1  # its rule (>= min_nodes) spans two fields: __post_init__
+    nproc_per_node: int | None = _field(
+        None, _at_least(1), _flag("--nproc-per-node", "--nproc_per_node")
+    )
+    run_id: str | None = _field(
+        None,
+        Rule(
+            "must be 1-128 characters of letters, digits, '.', '_' or '-' (it names directories)",
+            lambda v: bool(_RUN_ID.match(v)),
+        ),
+        _flag("--rdzv-id", "--rdzv_id"),
+    )
+    state_dir: Path = _field(Path(".slurm_elastic"), None, _flag("--state-dir"))
+    rdzv_backend: str = _field(
+        "slurm",
+        Rule(f"must be one of {', '.join(RDZV_BACKENDS)}", lambda v: v in RDZV_BACKENDS),
+        _flag("--rdzv-backend", "--rdzv_backend"),
+    )
+    rdzv_endpoint: str | None = _field(
+        None,
+        None,
+        _flag(
+            "--rdzv-endpoint",
+            "--rdzv_endpoint",
+            help="slurm backend: shared directory; c10d/etcd-v2: HOST:PORT",
+        ),
+    )
+    checkpoint_dir: Path | None = _field(None, None, _flag("--checkpoint-dir"))
     events_dir: Path | None = None
-    log_dir: Path | None = None
-    local_addr: str | None = None
-    max_restarts: int = 3
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 3.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_miss_limit: int = 5
-    close_timeout_s: float = 30.0
-    shutdown_timeout_s: float = 60.0
-    hang_timeout_s: float | None = None
-    monitor_interval_s: float = 0.5
-    preempt_signal: str = "USR2"
-    requeue: str = "preempt"
-    max_requeues: int = 20
+    log_dir: Path | None = _field(None, None, _flag("--log-dir", "--log_dir"))
+    local_addr: str | None = _field(None, None, _flag("--local-addr", "--local_addr"))
+    max_restarts: int = _field(3, _at_least(0), _flag("--max-restarts", "--max_restarts"))
+    join_timeout_s: float = _field(600.0, _at_least(0.1, " seconds"), _flag("--join-timeout"))
+    last_call_timeout_s: float = _field(3.0, _at_least(0.01, " seconds"))
+    heartbeat_interval_s: float = _field(1.0, _at_least(0.05, " seconds"))
+    heartbeat_miss_limit: int = _field(5, _at_least(2))
+    close_timeout_s: float = _field(30.0, _at_least(0.1, " seconds"))
+    shutdown_timeout_s: float = _field(
+        60.0,
+        _SECONDS,
+        _flag("--shutdown-timeout", help="seconds the workers get to checkpoint after a notice"),
+    )
+    hang_timeout_s: float | None = _field(
+        None,
+        Rule("must be > 0 seconds, or null to disable the watchdog", lambda v: v > 0),
+        _flag("--hang-timeout", help="restart workers after this many seconds without progress"),
+    )
+    monitor_interval_s: float = _field(0.5, _SECONDS, _flag("--monitor-interval"))
+    preempt_signal: str = _field(
+        DEFAULT_PREEMPT_SIGNAL, None, _flag("--signal", help="preemption notice signal (USR2)")
+    )
+    requeue: str = _field(
+        "preempt",
+        Rule(f"must be one of {', '.join(REQUEUE_POLICIES)}", lambda v: v in REQUEUE_POLICIES),
+        _flag("--requeue", choices=REQUEUE_POLICIES),
+    )
+    max_requeues: int = _field(20, _at_least(0), _flag("--max-requeues"))
 
     def __post_init__(self) -> None:
-        _check(self.min_nodes >= 1, "min_nodes", self.min_nodes, "must be >= 1")
+        for fld in dataclasses.fields(self):
+            value = getattr(self, fld.name)
+            rule = fld.metadata.get("rule")
+            if rule is not None and value is not None:
+                _check(rule.ok(value), fld.name, value, rule.text)
         _check(
             self.max_nodes >= self.min_nodes,
             "max_nodes",
             self.max_nodes,
             f"must be >= min_nodes ({self.min_nodes}); use nnodes: 'MIN:MAX'",
         )
-        if self.nproc_per_node is not None:
-            _check(self.nproc_per_node >= 1, "nproc_per_node", self.nproc_per_node, "must be >= 1")
-        if self.run_id is not None:
-            _check(
-                bool(_RUN_ID.match(self.run_id)),
-                "run_id",
-                self.run_id,
-                "must be 1-128 characters of letters, digits, '.', '_' or '-' "
-                "(it names directories)",
-            )
-        _check(
-            self.rdzv_backend in RDZV_BACKENDS,
-            "rdzv_backend",
-            self.rdzv_backend,
-            f"must be one of {', '.join(RDZV_BACKENDS)}",
-        )
-        _check(
-            self.requeue in REQUEUE_POLICIES,
-            "requeue",
-            self.requeue,
-            f"must be one of {', '.join(REQUEUE_POLICIES)}",
-        )
-        for name in ("max_restarts", "max_requeues"):
-            _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        _check(
-            self.heartbeat_miss_limit >= 1,
-            "heartbeat_miss_limit",
-            self.heartbeat_miss_limit,
-            "must be >= 1",
-        )
-        for name in (
-            "join_timeout_s",
-            "last_call_timeout_s",
-            "heartbeat_interval_s",
-            "close_timeout_s",
-            "shutdown_timeout_s",
-            "monitor_interval_s",
-        ):
-            _check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
-        if self.hang_timeout_s is not None:
-            _check(
-                self.hang_timeout_s > 0,
-                "hang_timeout_s",
-                self.hang_timeout_s,
-                "must be > 0 seconds, or null to disable the watchdog",
-            )
         # Normalise "SIGUSR2"/"usr2"/"12" to "USR2" and reject what is not a signal.
-        object.__setattr__(self, "preempt_signal", _signal_name(self.preempt_signal))
+        object.__setattr__(self, "preempt_signal", preempt_signal_name(self.preempt_signal))
 
     # Resolved locations -------------------------------------------------------------
     @property
@@ -183,27 +234,41 @@ def _check(ok: bool, key: str, value: object, rule: str) -> None:
         raise ConfigError(f"config key {key!r} = {value!r}: {rule}")
 
 
-def _signal_name(value: object) -> str:
-    raw = str(value).strip().upper()
-    if raw.isdigit():
-        try:
-            return signal.Signals(int(raw)).name.removeprefix("SIG")
-        except ValueError:
-            pass
-    name = raw.removeprefix("SIG")
-    if f"SIG{name}" in signal.Signals.__members__ and name not in ("KILL", "STOP"):
-        return name
-    raise ConfigError(
-        f"config key 'preempt_signal' = {value!r}: must be a catchable signal name "
-        "such as USR2, USR1, TERM or HUP"
-    )
-
-
 _FIELDS = {f.name: f for f in dataclasses.fields(ElasticConfig)}
-# SLURM_ELASTIC_* variables that are not config keys: set by the agent for its workers,
-# read by the CLI (log level) or by scripts/slurm-cluster (CLUSTER_*).
-_NOT_CONFIG = frozenset({"notice_file", "heartbeat_file", "requeue_count", "log_level", "cluster"})
-_NOT_CONFIG_PREFIXES = ("cluster_", "test_")
+
+
+def field_rule(key: str) -> Rule | None:
+    """The validation rule of config field ``key`` (``None``: any value of its type).
+
+    Raises:
+        KeyError: ``key`` is not a config field.
+    """
+    rule: Rule | None = _FIELDS[key].metadata.get("rule")
+    return rule
+
+
+def field_default(key: str) -> Any:
+    """The dataclass default of config field ``key``."""
+    return _FIELDS[key].default
+
+
+def cli_flags() -> dict[str, CliFlag]:
+    """Config field -> its command-line flag, for the fields that have one (field order)."""
+    return {
+        name: fld.metadata["flag"]
+        for name, fld in _FIELDS.items()
+        if fld.metadata.get("flag") is not None
+    }
+
+
+def field_type(key: str) -> type:
+    """The scalar type a command-line value of field ``key`` is parsed as (int, float, str)."""
+    kind = str(_FIELDS[key].type)
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str
 
 
 def parse_nnodes(value: object) -> tuple[int, int]:
@@ -277,7 +342,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         key = name[len(ENV_PREFIX) :].lower()
         if key in _FIELDS or key == "nnodes":
             picked[key] = value
-        elif key not in _NOT_CONFIG and not key.startswith(_NOT_CONFIG_PREFIXES):
+        elif envvars.lookup(name) is None:
             raise ConfigError(
                 f"unknown environment variable {name}={value!r}: {ENV_PREFIX}<KEY> variables "
                 f"set config keys ({', '.join(_FIELDS)}); unset it or fix the name"

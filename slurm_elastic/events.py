@@ -24,9 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic.envvars import EVENTS_DIR_ENV, RUN_ID_ENV
+
 __all__ = ["EVENTS_DIR_ENV", "emit", "read_events"]
 
-EVENTS_DIR_ENV = "SLURM_ELASTIC_EVENTS_DIR"
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def emit(kind: str, /, **fields: Any) -> None:
         "kind": kind,
         "host": os.environ.get("SLURMD_NODENAME", host),
         "pid": os.getpid(),
-        "run_id": os.environ.get("SLURM_ELASTIC_RUN_ID"),
+        "run_id": os.environ.get(RUN_ID_ENV),
         **fields,
     }
     try:

@@ -44,7 +44,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NamedTuple
 
+from slurm_elastic.envvars import HEARTBEAT_FILE_ENV, NOTICE_FILE_ENV, PREEMPT_SIGNAL_ENV
 from slurm_elastic.errors import ConfigError
+from slurm_elastic.signals import DEFAULT_PREEMPT_SIGNAL, parse_signal
 
 __all__ = [
     "DEFAULT_PREEMPT_SIGNAL",
@@ -69,11 +71,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NOTICE_FILE_ENV = "SLURM_ELASTIC_NOTICE_FILE"
-HEARTBEAT_FILE_ENV = "SLURM_ELASTIC_HEARTBEAT_FILE"
-#: The config field ``preempt_signal`` as an environment variable (config precedence rule).
-PREEMPT_SIGNAL_ENV = "SLURM_ELASTIC_PREEMPT_SIGNAL"
-DEFAULT_PREEMPT_SIGNAL = "USR2"
 
 PROGRESS_MIN_INTERVAL_S = 0.5
 NOTICE_POLL_INTERVAL_S = 0.2
@@ -93,35 +90,6 @@ class Progress(NamedTuple):
 
     step: int
     time: float
-
-
-def parse_signal(sig: str | int | _signal.Signals) -> _signal.Signals:
-    """Turn ``"USR2"``, ``"SIGUSR2"``, ``12`` or ``signal.SIGUSR2`` into a signal.
-
-    Raises:
-        ConfigError: the name or number is not a signal of this platform.
-    """
-    if isinstance(sig, _signal.Signals):
-        return sig
-    if isinstance(sig, int):
-        try:
-            return _signal.Signals(sig)
-        except ValueError as exc:
-            raise ConfigError(
-                f"preempt signal {sig!r} is not a signal number on this platform; "
-                "use a name such as 'USR2'"
-            ) from exc
-    name = str(sig).strip().upper()
-    if name.isdigit():
-        return parse_signal(int(name))
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    try:
-        return _signal.Signals[name]
-    except KeyError as exc:
-        raise ConfigError(
-            f"preempt signal {sig!r} is not a known signal; use a name such as 'USR2' or 'USR1'"
-        ) from exc
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,33 +1,7 @@
-"""Exit codes of ``slurm-elastic agent``: what happened to this node's agent.
-
-Slurm records the batch script's exit status, so these are visible in ``sacct`` /
-``scontrol show job`` (``ExitCode=3:0``) and in the array task's state.
-"""
+"""Exit codes of ``slurm-elastic agent`` (defined torch-free in :mod:`slurm_elastic.exit_codes`)."""
 
 from __future__ import annotations
 
-import enum
+from slurm_elastic.exit_codes import ExitCode
 
 __all__ = ["ExitCode"]
-
-
-class ExitCode(enum.IntEnum):
-    """The agent's exit status."""
-
-    #: Training finished (also: this node came back after the run had already finished).
-    FINISHED = 0
-    #: The workers kept failing and ``max_restarts`` was spent.
-    FAILED = 1
-    #: Bad arguments or configuration; nothing was started.
-    USAGE = 2
-    #: Preemption or time-limit notice: checkpoint flushed, left the rendezvous, and this
-    #: node's own job/array task was requeued.
-    PREEMPTED_REQUEUED = 3
-    #: Preemption notice handled, but not requeued (``requeue: never``, ``max_requeues``
-    #: reached, not in Slurm, or the requeue call failed).
-    PREEMPTED = 4
-    #: SIGTERM/SIGINT with no notice first (``scancel``, a time limit without ``--signal``):
-    #: workers stopped, left the rendezvous, not requeued.
-    TERMINATED = 5
-    #: The rendezvous could not be joined (join timeout, unsafe directory, store error).
-    RENDEZVOUS_FAILED = 6

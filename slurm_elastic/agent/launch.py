@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from slurm_elastic import events, notice
+from slurm_elastic import envvars, events, notice
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.config import ElasticConfig
@@ -53,13 +53,13 @@ log = logging.getLogger(__name__)
 
 #: Variables the agent adds to its workers' environment (besides torch's).
 WORKER_ENV = (
-    "SLURM_ELASTIC_RUN_ID",
-    "SLURM_ELASTIC_CHECKPOINT_DIR",
-    "SLURM_ELASTIC_EVENTS_DIR",
-    "SLURM_ELASTIC_REQUEUE_COUNT",
-    notice.NOTICE_FILE_ENV,
-    notice.HEARTBEAT_FILE_ENV,
-    notice.PREEMPT_SIGNAL_ENV,
+    envvars.RUN_ID_ENV,
+    envvars.CHECKPOINT_DIR_ENV,
+    envvars.EVENTS_DIR_ENV,
+    envvars.REQUEUE_COUNT_ENV,
+    envvars.NOTICE_FILE_ENV,
+    envvars.HEARTBEAT_FILE_ENV,
+    envvars.PREEMPT_SIGNAL_ENV,
 )
 
 _TORCH_BACKENDS_INT_TIMEOUTS = ("c10d", "etcd-v2", "etcd", "static")
@@ -198,13 +198,13 @@ def _worker_environment(
     config: ElasticConfig, slurm: SlurmEnv, notice_file: Path, heartbeat_file: Path
 ) -> dict[str, str]:
     values: dict[str, object] = {
-        "SLURM_ELASTIC_RUN_ID": config.run_id,
-        "SLURM_ELASTIC_CHECKPOINT_DIR": config.checkpoint_dir,
-        "SLURM_ELASTIC_EVENTS_DIR": config.events_dir,
-        "SLURM_ELASTIC_REQUEUE_COUNT": slurm.restart_count,
-        notice.NOTICE_FILE_ENV: notice_file,
-        notice.HEARTBEAT_FILE_ENV: heartbeat_file,
-        notice.PREEMPT_SIGNAL_ENV: config.preempt_signal,
+        envvars.RUN_ID_ENV: config.run_id,
+        envvars.CHECKPOINT_DIR_ENV: config.checkpoint_dir,
+        envvars.EVENTS_DIR_ENV: config.events_dir,
+        envvars.REQUEUE_COUNT_ENV: slurm.restart_count,
+        envvars.NOTICE_FILE_ENV: notice_file,
+        envvars.HEARTBEAT_FILE_ENV: heartbeat_file,
+        envvars.PREEMPT_SIGNAL_ENV: config.preempt_signal,
         # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
     }

@@ -43,6 +43,7 @@ from slurm_elastic.checkpoint.manifest import (
     write_manifest,
 )
 from slurm_elastic.checkpoint.staging import HostStager, state_nbytes
+from slurm_elastic.envvars import CHECKPOINT_DIR_ENV
 from slurm_elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -60,7 +61,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR_ENV = "SLURM_ELASTIC_CHECKPOINT_DIR"
 STATE_FILE = "state.pt"
 TMP_PREFIX = ".tmp-step_"
 REPLACED_PREFIX = ".replaced-step_"

@@ -24,6 +24,13 @@ reform_grace                 re-formation: wait this long after min_nodes  0.5
                              joined, then complete once the wait list is
                              empty (instead of the full last call)
 ==========================  ===========================================  =========
+
+The keys that are also :class:`~slurm_elastic.config.ElasticConfig` fields
+(``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``heartbeat_interval``,
+``heartbeat_miss_limit``, ``local_addr``) take their default **and their one validation
+rule** from the config field of the same name (:func:`slurm_elastic.config.field_rule`),
+so a value the config accepts is a value the rendezvous accepts. The others are
+rendezvous-only and have their rule here.
 """
 
 from __future__ import annotations
@@ -32,9 +39,20 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
+from slurm_elastic.config import Rule, field_default, field_rule
 from slurm_elastic.errors import ConfigError
 
-__all__ = ["RendezvousOptions"]
+__all__ = ["SHARED_WITH_CONFIG", "RendezvousOptions"]
+
+#: RendezvousOptions fields that are ElasticConfig fields (same name, default and rule).
+SHARED_WITH_CONFIG = (
+    "join_timeout_s",
+    "last_call_timeout_s",
+    "close_timeout_s",
+    "heartbeat_interval_s",
+    "heartbeat_miss_limit",
+    "local_addr",
+)
 
 
 def _raw(params: RendezvousParameters, names: tuple[str, ...]) -> tuple[str, object] | None:
@@ -46,7 +64,16 @@ def _raw(params: RendezvousParameters, names: tuple[str, ...]) -> tuple[str, obj
     return None
 
 
-def _float(params: RendezvousParameters, default: float, *names: str, minimum: float) -> float:
+def _at_least(minimum: float) -> Rule:
+    return Rule(f"must be >= {minimum:g}", lambda v: v >= minimum)
+
+
+def _checked(key: str, value: object, result: float, rule: Rule | None) -> None:
+    if rule is not None and not rule.ok(result):
+        raise ConfigError(f"rendezvous option {key}={value!r} {rule.text}")
+
+
+def _float(params: RendezvousParameters, default: float, *names: str, rule: Rule | None) -> float:
     found = _raw(params, names)
     if found is None:
         return default
@@ -55,12 +82,11 @@ def _float(params: RendezvousParameters, default: float, *names: str, minimum: f
         result = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"rendezvous option {key}={value!r} is not a number") from exc
-    if not result >= minimum:
-        raise ConfigError(f"rendezvous option {key}={value!r} must be >= {minimum}")
+    _checked(key, value, result, rule)
     return result
 
 
-def _int(params: RendezvousParameters, default: int, *names: str, minimum: int) -> int:
+def _int(params: RendezvousParameters, default: int, *names: str, rule: Rule | None) -> int:
     found = _raw(params, names)
     if found is None:
         return default
@@ -69,8 +95,7 @@ def _int(params: RendezvousParameters, default: int, *names: str, minimum: int) 
         result = int(str(value))
     except ValueError as exc:
         raise ConfigError(f"rendezvous option {key}={value!r} is not an integer") from exc
-    if result < minimum:
-        raise ConfigError(f"rendezvous option {key}={value!r} must be >= {minimum}")
+    _checked(key, value, result, rule)
     return result
 
 
@@ -83,16 +108,16 @@ def _str(params: RendezvousParameters, *names: str) -> str | None:
 class RendezvousOptions:
     """Validated rendezvous options (see the module docstring for the keys)."""
 
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 3.0
-    close_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_miss_limit: int = 5
+    join_timeout_s: float = field_default("join_timeout_s")
+    last_call_timeout_s: float = field_default("last_call_timeout_s")
+    close_timeout_s: float = field_default("close_timeout_s")
+    heartbeat_interval_s: float = field_default("heartbeat_interval_s")
+    heartbeat_miss_limit: int = field_default("heartbeat_miss_limit")
     poll_interval_s: float = 0.05
     store_timeout_s: float = 120.0
     store_port: int = 0
     interface: str | None = None
-    local_addr: str | None = None
+    local_addr: str | None = field_default("local_addr")
     generation: str | None = None
     incarnation: str | None = None
     successors: int = 2
@@ -107,32 +132,41 @@ class RendezvousOptions:
         """
         d = cls()
         return cls(
-            join_timeout_s=_float(params, d.join_timeout_s, "join_timeout", minimum=0.1),
-            last_call_timeout_s=_float(
-                params, d.last_call_timeout_s, "last_call_timeout", minimum=0.01
+            join_timeout_s=_float(
+                params, d.join_timeout_s, "join_timeout", rule=field_rule("join_timeout_s")
             ),
-            close_timeout_s=_float(params, d.close_timeout_s, "close_timeout", minimum=0.1),
+            last_call_timeout_s=_float(
+                params,
+                d.last_call_timeout_s,
+                "last_call_timeout",
+                rule=field_rule("last_call_timeout_s"),
+            ),
+            close_timeout_s=_float(
+                params, d.close_timeout_s, "close_timeout", rule=field_rule("close_timeout_s")
+            ),
             heartbeat_interval_s=_float(
                 params,
                 d.heartbeat_interval_s,
                 "heartbeat_interval",
                 "keep_alive_interval",
-                minimum=0.05,
+                rule=field_rule("heartbeat_interval_s"),
             ),
             heartbeat_miss_limit=_int(
                 params,
                 d.heartbeat_miss_limit,
                 "heartbeat_miss_limit",
                 "keep_alive_max_attempt",
-                minimum=2,
+                rule=field_rule("heartbeat_miss_limit"),
             ),
-            poll_interval_s=_float(params, d.poll_interval_s, "poll_interval", minimum=0.001),
-            store_timeout_s=_float(params, d.store_timeout_s, "store_timeout", minimum=1.0),
-            store_port=_int(params, d.store_port, "store_port", minimum=0),
+            poll_interval_s=_float(
+                params, d.poll_interval_s, "poll_interval", rule=_at_least(0.001)
+            ),
+            store_timeout_s=_float(params, d.store_timeout_s, "store_timeout", rule=_at_least(1.0)),
+            store_port=_int(params, d.store_port, "store_port", rule=_at_least(0)),
             interface=_str(params, "interface"),
             local_addr=params.local_addr or _str(params, "local_addr"),
             generation=_str(params, "generation"),
             incarnation=_str(params, "incarnation"),
-            successors=_int(params, d.successors, "successors", minimum=1),
-            reform_grace_s=_float(params, d.reform_grace_s, "reform_grace", minimum=0.0),
+            successors=_int(params, d.successors, "successors", rule=_at_least(1)),
+            reform_grace_s=_float(params, d.reform_grace_s, "reform_grace", rule=_at_least(0.0)),
         )

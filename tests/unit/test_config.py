@@ -55,7 +55,8 @@ def test_signal_names_are_normalised() -> None:
     [
         ("nnodes: '4:1'\n", r"'max_nodes' = 1: must be >= min_nodes \(4\)"),
         ("min_nodes: 0\n", r"'min_nodes' = 0: must be >= 1"),
-        ("join_timeout_s: -5\n", r"'join_timeout_s' = -5.0: must be > 0 seconds"),
+        ("join_timeout_s: -5\n", r"'join_timeout_s' = -5.0: must be >= 0.1 seconds"),
+        ("shutdown_timeout_s: 0\n", r"'shutdown_timeout_s' = 0.0: must be > 0 seconds"),
         ("max_restarts: two\n", r"'max_restarts' = 'two' from config file .*: expected int"),
         ("max_restart: 3\n", r"unknown config key 'max_restart'.*did you mean max_restarts"),
         ("requeue: sometimes\n", r"'requeue' = 'sometimes': must be one of never, preempt, always"),
