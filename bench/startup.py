@@ -41,7 +41,7 @@ from typing import Any
 
 from slurm_elastic.events import read_events
 from slurm_elastic.slurm.commands import SlurmClient
-from slurm_elastic.slurm.render import render_template
+from slurm_elastic.submit.render import render_template
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "startup_worker.py"

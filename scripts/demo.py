@@ -24,7 +24,7 @@ from typing import Any
 
 from slurm_elastic.events import read_events
 from slurm_elastic.slurm.commands import SlurmClient
-from slurm_elastic.slurm.render import render_template
+from slurm_elastic.submit.render import render_template
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_ddp.py"

@@ -1,6 +1,6 @@
 """``SlurmElasticAgent``: torch's ``LocalElasticAgent`` with the reactions Slurm jobs need.
 
-Torch's monitor loop (``SimpleElasticAgent._invoke_run``) is kept, with three changes:
+Torch's monitor loop (``SimpleElasticAgent._invoke_run``) is kept, with four changes:
 
 1. **Membership changes are not failures.** When workers fail because a peer node left
    (preempted, evicted) the gloo/NCCL collectives of the survivors fail too; torch would

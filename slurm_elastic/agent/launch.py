@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousHandler,
 )
 
 from slurm_elastic import envvars, events, notice
@@ -45,6 +46,8 @@ from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import AgentError, SlurmElasticError, SlurmError
+from slurm_elastic.rendezvous.protocols import LeavableRendezvous
+from slurm_elastic.slurm.control import SlurmControl, default_control
 from slurm_elastic.slurm.env import SlurmEnv
 
 __all__ = ["WORKER_ENV", "rendezvous_parameters", "run_agent"]
@@ -153,7 +156,7 @@ def run_agent(
     tee: str = "0",
     rdzv_conf: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
-    client: Any = None,
+    client: SlurmControl | None = None,
 ) -> int:
     """Run this node's agent until the run finishes, fails, or the node is preempted.
 
@@ -166,7 +169,7 @@ def run_agent(
         tee: torchrun's ``--tee``.
         rdzv_conf: extra rendezvous settings (torchrun's ``--rdzv-conf``).
         environ: the environment to read Slurm from (default ``os.environ``).
-        client: a ``slurm_elastic.slurm.commands.SlurmClient`` (default: a new one).
+        client: the Slurm seam (default: a new ``SlurmClient``).
 
     Returns:
         An :class:`ExitCode`.
@@ -233,7 +236,7 @@ def _run(
     tee: str,
     rdzv_conf: Mapping[str, str] | None,
     slurm: SlurmEnv,
-    client: Any,
+    client: SlurmControl | None,
     notice_file: Path,
     heartbeat_file: Path,
 ) -> int:
@@ -340,13 +343,12 @@ def _run(
     return code
 
 
-def _leave(handler: Any) -> None:
+def _leave(handler: RendezvousHandler | None) -> None:
     """Leave the rendezvous without closing it, when the backend can (ours can)."""
-    leave = getattr(handler, "leave", None)
-    if leave is None:
+    if not isinstance(handler, LeavableRendezvous):
         return  # torch's backends: peers evict this node after the keep-alive window
     try:
-        leave()
+        handler.leave()
     except (RendezvousError, OSError) as exc:
         log.warning("could not leave the rendezvous gracefully: %s", exc)
 
@@ -354,8 +356,8 @@ def _leave(handler: Any) -> None:
 def _after_signal(
     config: ElasticConfig,
     slurm: SlurmEnv,
-    client: Any,
-    handler: Any,
+    client: SlurmControl | None,
+    handler: RendezvousHandler | None,
     stop: _Stop,
 ) -> ExitCode:
     # torch's agent has already forwarded the signal and waited up to
@@ -371,15 +373,11 @@ def _after_signal(
     return ExitCode.PREEMPTED
 
 
-def _client(client: Any) -> Any:
-    if client is not None:
-        return client
-    from slurm_elastic.slurm.commands import SlurmClient
-
-    return SlurmClient()
+def _client(client: SlurmControl | None) -> SlurmControl:
+    return client if client is not None else default_control()
 
 
-def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: Any) -> bool:
+def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: SlurmControl | None) -> bool:
     ref = slurm.own_job_ref
     if ref is None:
         log.info("not in a Slurm job: nothing to requeue")
@@ -403,7 +401,7 @@ def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: Any) -> bool:
     return True
 
 
-def _cancel_pending_tasks(slurm: SlurmEnv, client: Any) -> None:
+def _cancel_pending_tasks(slurm: SlurmEnv, client: SlurmControl | None) -> None:
     """After success, nothing of the array may stay queued (requeued or never started)."""
     if not slurm.is_array_task or slurm.array_job_id is None:
         return

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from slurm_elastic import __version__
+from slurm_elastic.config import ElasticConfig, cli_flags, field_type, load_config
+from slurm_elastic.envvars import LOG_LEVEL_ENV
 from slurm_elastic.errors import SlurmElasticError
 
 __all__ = ["build_parser", "configure_logging", "main"]
@@ -33,7 +35,7 @@ def configure_logging(verbosity: int) -> None:
 
     ``SLURM_ELASTIC_LOG_LEVEL`` wins over ``verbosity`` (-1 quiet, 0 info, 2 debug).
     """
-    level = os.environ.get("SLURM_ELASTIC_LOG_LEVEL") or (
+    level = os.environ.get(LOG_LEVEL_ENV) or (
         "DEBUG" if verbosity > 1 else "INFO" if verbosity >= 0 else "WARNING"
     )
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -45,67 +47,23 @@ def configure_logging(verbosity: int) -> None:
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every subcommand that resolves an ElasticConfig."""
+    """Flags shared by every subcommand that resolves an ElasticConfig.
+
+    One flag per config field that declares one in its metadata
+    (:func:`slurm_elastic.config.cli_flags`), plus ``--config`` and torchrun's ``--nnodes``.
+    """
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--nnodes", help="N or MIN:MAX nodes (torchrun's form)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int)
-    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int)
-    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend")
-    p.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        dest="rdzv_endpoint",
-        help="slurm backend: shared directory; c10d/etcd-v2: HOST:PORT",
-    )
-    p.add_argument("--rdzv-id", "--rdzv_id", dest="run_id")
-    p.add_argument("--local-addr", "--local_addr", dest="local_addr")
-    p.add_argument("--log-dir", "--log_dir", dest="log_dir")
-    p.add_argument("--state-dir", dest="state_dir")
-    p.add_argument("--checkpoint-dir", dest="checkpoint_dir")
-    p.add_argument("--monitor-interval", dest="monitor_interval_s", type=float)
-    p.add_argument(
-        "--shutdown-timeout",
-        dest="shutdown_timeout_s",
-        type=float,
-        help="seconds the workers get to checkpoint after a notice",
-    )
-    p.add_argument(
-        "--hang-timeout",
-        dest="hang_timeout_s",
-        type=float,
-        help="restart workers after this many seconds without progress",
-    )
-    p.add_argument("--join-timeout", dest="join_timeout_s", type=float)
-    p.add_argument("--signal", dest="preempt_signal", help="preemption notice signal (USR2)")
-    p.add_argument("--requeue", choices=("never", "preempt", "always"))
-    p.add_argument("--max-requeues", dest="max_requeues", type=int)
+    for name, flag in cli_flags().items():
+        kind = field_type(name)
+        extra: dict[str, Any] = {} if kind is str else {"type": kind}
+        p.add_argument(*flag.names, dest=name, help=flag.help, choices=flag.choices, **extra)
 
 
-_CONFIG_DESTS = (
-    "nnodes",
-    "nproc_per_node",
-    "max_restarts",
-    "rdzv_backend",
-    "rdzv_endpoint",
-    "run_id",
-    "local_addr",
-    "log_dir",
-    "state_dir",
-    "checkpoint_dir",
-    "monitor_interval_s",
-    "shutdown_timeout_s",
-    "hang_timeout_s",
-    "join_timeout_s",
-    "preempt_signal",
-    "requeue",
-    "max_requeues",
-)
-
-
-def _load(ns: argparse.Namespace) -> Any:
-    from slurm_elastic.config import load_config
-
-    overrides = {k: getattr(ns, k) for k in _CONFIG_DESTS if getattr(ns, k, None) is not None}
+def _load(ns: argparse.Namespace) -> ElasticConfig:
+    overrides = {
+        k: getattr(ns, k) for k in ("nnodes", *cli_flags()) if getattr(ns, k, None) is not None
+    }
     return load_config(ns.config, overrides=overrides)
 
 
@@ -145,7 +103,7 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 
 def _cmd_render(ns: argparse.Namespace) -> int:
-    from slurm_elastic.slurm import render
+    from slurm_elastic.submit import render
 
     if ns.list:
         print("\n".join(render.list_templates()))

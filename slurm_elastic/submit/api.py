@@ -11,11 +11,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import yaml
 
 from slurm_elastic.errors import ConfigError, SlurmError
+from slurm_elastic.slurm.control import SlurmControl, default_control
 from slurm_elastic.submit import local, slurm_backend
 from slurm_elastic.submit.job import JobHandle, JobState
 from slurm_elastic.submit.request import JobRequest, build_request
@@ -53,7 +54,7 @@ class SubmissionPlan:
         return self.text
 
 
-def resolve_cluster(cluster: str | None, client: Any = None) -> str:
+def resolve_cluster(cluster: str | None, client: SlurmControl | None = None) -> str:
     """``"local"``/``"slurm"`` as given; ``None``/``"auto"``: Slurm when reachable, else local.
 
     Raises:
@@ -66,7 +67,7 @@ def resolve_cluster(cluster: str | None, client: Any = None) -> str:
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
         return "local"
     try:
-        probe = client if client is not None else slurm_backend._default_client()
+        probe = client if client is not None else default_control()
         reachable = bool(probe.ping())
     except SlurmError as exc:
         log.info("Slurm is not usable (%s): running locally", exc)
@@ -137,7 +138,7 @@ def submit(
     folder: str | os.PathLike[str] | None = None,
     module: bool = False,
     python: str | None = None,
-    client: Any = None,
+    client: SlurmControl | None = None,
     **values: object,
 ) -> JobHandle:
     """Submit an elastic training run; one agent per node runs ``entrypoint``.

@@ -17,12 +17,17 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slurm_elastic.errors import SlurmElasticError, SlurmError
+from slurm_elastic.exit_codes import is_run_ok
+from slurm_elastic.slurm.control import SlurmControl
 from slurm_elastic.slurm.jobstate import JobInfo
 from slurm_elastic.slurm.jobstate import JobState as SlurmState
 from slurm_elastic.submit import processes
+
+if TYPE_CHECKING:
+    from submitit import Job as SubmititJob
 
 __all__ = [
     "SLURM_STATES",
@@ -202,8 +207,8 @@ class LocalJob(JobHandle):
             elif self._cancelled:
                 out.append(JobState.CANCELLED)
             else:
-                # ExitCode 0 finished, 3 preempted+requeued (not a failure of the run)
-                out.append(JobState.COMPLETED if code in (0, 3) else JobState.FAILED)
+                # finished, or preempted and requeued: not a failure of the run
+                out.append(JobState.COMPLETED if is_run_ok(code) else JobState.FAILED)
         return out
 
     def cancel(self, grace_s: float | None = None) -> None:
@@ -241,8 +246,8 @@ class SlurmJob(JobHandle):
         self,
         job_id: str,
         task_refs: Sequence[str],
-        submitit_jobs: Sequence[Any],
-        client: Any,
+        submitit_jobs: Sequence[SubmititJob[Any]],
+        client: SlurmControl,
         sbatch_text: str,
     ) -> None:
         self.job_id = job_id

@@ -1,6 +1,6 @@
 """``cluster="local"``: the same job as N node-agent processes on this machine.
 
-Each local "node" is ``python -m slurm_elastic.submit.node SPEC.json``, i.e. the same
+Each local "node" is ``python -m slurm_elastic.cli.node SPEC.json``, i.e. the same
 :func:`~slurm_elastic.agent.run_agent` a Slurm task runs, with:
 
 * one fresh run id (``local-<hex>``) unless the config sets ``run_id``;
@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic import envvars
 from slurm_elastic.submit.job import LocalJob
 from slurm_elastic.submit.request import JobRequest
 
@@ -52,7 +53,7 @@ def node_environment(
     env = {
         k: v
         for k, v in (os.environ if environ is None else environ).items()
-        if not k.startswith("SLURM") or k.startswith("SLURM_ELASTIC_")
+        if not k.startswith("SLURM") or k.startswith(envvars.PREFIX)
     }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
@@ -61,7 +62,8 @@ def node_environment(
 
 def node_command(spec_path: Path) -> list[str]:
     """The command line of one local node."""
-    return [sys.executable, "-m", "slurm_elastic.submit.node", str(spec_path)]
+    # a program entry (it configures logging), hence in the CLI package
+    return [sys.executable, "-m", "slurm_elastic.cli.node", str(spec_path)]
 
 
 def write_spec(request: JobRequest, folder: Path) -> tuple[Path, dict[str, Any]]:

@@ -7,8 +7,9 @@ address and the GPU count come from the node's Slurm environment.
 Used two ways:
 
 * :func:`run_node` is the function submitit pickles for each Slurm task;
-* ``python -m slurm_elastic.submit.node SPEC.json`` is one local "node" of
-  ``cluster="local"`` (the spec holds the same arguments as JSON).
+* :func:`run_spec` is one local "node" of ``cluster="local"`` (the spec holds the same
+  arguments as JSON); its program entry is ``python -m slurm_elastic.cli.node SPEC.json``
+  (program entries, which configure logging, live in :mod:`slurm_elastic.cli`).
 """
 
 from __future__ import annotations
@@ -17,19 +18,17 @@ import json
 import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from slurm_elastic import notice
 from slurm_elastic.errors import AgentError
+from slurm_elastic.exit_codes import describe, is_run_ok
 
-__all__ = ["run_node"]
+__all__ = ["run_node", "run_spec"]
 
 log = logging.getLogger(__name__)
-
-#: ExitCode values that are not a failure of the run: finished, preempted+requeued.
-_OK_CODES = (0, 3)
 
 
 def _reset_submitit_signals(preempt_signal: str) -> None:
@@ -69,39 +68,29 @@ def run_node(
         AgentError: the agent exited with another code, so that Slurm and submitit
             record the task as failed.
     """
-    from slurm_elastic.agent import ExitCode, run_agent
+    from slurm_elastic.agent import run_agent
     from slurm_elastic.config import load_config
 
     config = load_config(None, environ=os.environ, overrides=overrides)
     _reset_submitit_signals(config.preempt_signal)
     code = int(run_agent(config, entrypoint, list(args), module=module))
-    if code not in _OK_CODES:
-        name = ExitCode(code).name if code in ExitCode._value2member_map_ else "?"
+    if not is_run_ok(code):
         raise AgentError(
-            f"the node agent exited with {code} ({name}); see the agent log above and "
-            "slurm-elastic status for the run's events"
+            f"the node agent exited with {code} ({describe(code)}); see the agent log above "
+            "and the run's events (events_dir)"
         )
     return code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of one local node: ``python -m slurm_elastic.submit.node SPEC.json``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 1:
-        print("usage: python -m slurm_elastic.submit.node SPEC.json", file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as fh:
-        spec = json.load(fh)
+def run_spec(spec_path: str | os.PathLike[str]) -> int:
+    """Run one local node from its JSON spec (written by :mod:`slurm_elastic.submit.local`).
+
+    Returns:
+        The agent's exit code.
+    """
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     from slurm_elastic.agent import run_agent
     from slurm_elastic.config import load_config
 
     config = load_config(None, environ=os.environ, overrides=spec["overrides"])
     return int(run_agent(config, spec["entrypoint"], spec["args"], module=spec["module"]))
-
-
-if __name__ == "__main__":
-    # A program entry like the CLI: logging is configured by the CLI's one function.
-    from slurm_elastic.cli.main import configure_logging
-
-    configure_logging(0)
-    sys.exit(main())

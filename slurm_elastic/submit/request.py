@@ -2,7 +2,7 @@
 
 One vocabulary for ``slurm-elastic render`` and ``slurm-elastic submit``: config keys
 (:class:`~slurm_elastic.config.ElasticConfig` fields, ``nnodes``) and template keys
-(:data:`~slurm_elastic.slurm.render.TEMPLATE_KEYS`), with ``mode`` naming the shape
+(:data:`~slurm_elastic.submit.render.TEMPLATE_KEYS`), with ``mode`` naming the shape
 (``fault_tolerant``, ``elastic``, ``elastic_array``). Validation is the renderer's, so a
 config that renders also submits.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic.errors import ConfigError
-from slurm_elastic.slurm import render
+from slurm_elastic.submit import render
 
 __all__ = ["DEFAULT_MODE", "JobRequest", "build_request"]
 

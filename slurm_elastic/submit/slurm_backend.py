@@ -17,9 +17,16 @@ agent requeues its own task only). ``--requeue`` is set; submitit already append
 (``--open-mode=append``).
 
 The dry run calls the same submitit function that renders the sbatch file of a real
-submission (``submitit.slurm.slurm._make_sbatch_string``), so it prints exactly what would
-be sent. That function is private to submitit; the version range in pyproject pins what we
-tested (submitit 1.5.4).
+submission (``submitit.slurm.slurm._make_sbatch_string``, through
+``SlurmExecutor._make_submission_file_text``), so it prints exactly what would be sent;
+after a submission, :func:`submit_slurm` compares the file submitit wrote with it. That
+function is private to submitit: :func:`submitit_sbatch_string` is the only place that
+touches submitit's private API, ``tests/submit/test_submitit_contract.py`` fails loudly
+when submitit changes it, and pyproject bounds submitit to the tested range (1.5.x).
+
+The Slurm options (partition, time, ...) map to submitit parameters through the same
+table as the ``#SBATCH`` lines of the templates
+(:data:`slurm_elastic.submit.render.SBATCH_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -28,33 +35,17 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from slurm_elastic.errors import ConfigError, SlurmCommandNotFoundError
-from slurm_elastic.slurm import render
-from slurm_elastic.slurm.jobstate import JobInfo
+from slurm_elastic.slurm.control import SlurmControl, default_control
+from slurm_elastic.submit import render
 from slurm_elastic.submit.job import SlurmJob
 from slurm_elastic.submit.request import JobRequest
 
-__all__ = ["JobStateClient", "sbatch_text", "submit_slurm", "submitit_parameters"]
+__all__ = ["sbatch_text", "submit_slurm", "submitit_parameters", "submitit_sbatch_string"]
 
 log = logging.getLogger(__name__)
-
-
-class JobStateClient(Protocol):
-    """What :class:`SlurmJob` needs from the Slurm seam (``slurm.commands.SlurmClient``)."""
-
-    def job_infos(self, job_ref: str) -> list[JobInfo]:
-        """One record per task of ``job_ref`` (sacct, else scontrol)."""
-        ...
-
-    def cancel(self, job_ref: str) -> None:
-        """``scancel job_ref``."""
-        ...
-
-    def ping(self) -> bool:
-        """Whether slurmctld answers."""
-        ...
 
 
 def _minutes(value: object) -> int:
@@ -106,15 +97,20 @@ def submitit_parameters(request: JobRequest) -> dict[str, Any]:
         "job_name": request.job_name,
         "ntasks_per_node": 1,
         "signal_delay_s": request.signal_lead_s,
-        "time": _minutes(t["time"]) if t.get("time") is not None else 24 * 60,
+        # submitit's default is 5 minutes; the templates leave it to the partition.
+        "time": 24 * 60,
     }
-    for key in ("partition", "account", "qos", "constraint", "mem", "gpus_per_node"):
-        if t.get(key) is not None:
-            params[key] = t[key]
-    if t.get("cpus_per_task") is not None:
-        params["cpus_per_task"] = int(str(t["cpus_per_task"]))
-    if render._bool("exclusive", t.get("exclusive", False)):
-        params["exclusive"] = True
+    for opt in render.SBATCH_OPTIONS:
+        value = t.get(opt.key)
+        if value is None:
+            continue
+        if opt.boolean:
+            if render.boolean_value(opt.key, value):
+                params[opt.submitit] = True
+        elif opt.key == "time":
+            params[opt.submitit] = _minutes(value)
+        else:
+            params[opt.submitit] = opt.to_submitit(value)
     if request.mode == "elastic_array":
         params["nodes"] = 1
         params["array_parallelism"] = request.max_nodes
@@ -142,19 +138,29 @@ def _folder(request: JobRequest) -> Path:
     return Path(request.output_dir).resolve() / "%j"
 
 
-def sbatch_text(request: JobRequest, python: str | None = None) -> str:
-    """The sbatch script a real submission of ``request`` sends (a dry run).
+def submitit_sbatch_string(
+    folder: Path, python: str, map_count: int | None, params: dict[str, Any]
+) -> str:
+    """The sbatch script submitit writes for these executor parameters.
+
+    The only function that touches submitit's private API: ``_make_sbatch_string`` (what
+    ``SlurmExecutor._make_submission_file_text`` returns) and the ``submitit.core._submit``
+    command its executor runs on the nodes (``SlurmExecutor._submitit_command_str``).
+    ``tests/submit/test_submitit_contract.py`` checks both against the installed
+    submitit.
+
+    Args:
+        folder: the executor's folder (with ``%j``).
+        python: the python command on the nodes (already shell-quoted).
+        map_count: the array size for ``map_array``, else ``None``.
+        params: the ``update_parameters`` arguments (:func:`submitit_parameters`).
 
     Raises:
         ConfigError: submitit rejects a parameter.
     """
     from submitit.slurm import slurm as submitit_slurm
 
-    folder = _folder(request)
-    py = shlex.quote(sys.executable) if python is None else python
-    command = " ".join([py, "-u -m submitit.core._submit", shlex.quote(str(folder))])
-    params = submitit_parameters(request)
-    map_count = request.max_nodes if request.mode == "elastic_array" else None
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
     try:
         return str(
             submitit_slurm._make_sbatch_string(
@@ -165,19 +171,34 @@ def sbatch_text(request: JobRequest, python: str | None = None) -> str:
         raise ConfigError(f"submitit rejected the Slurm parameters {params}: {exc}") from exc
 
 
-def _default_client() -> JobStateClient:
+def sbatch_text(request: JobRequest, python: str | None = None) -> str:
+    """The sbatch script a real submission of ``request`` sends (a dry run).
+
+    Raises:
+        ConfigError: submitit rejects a parameter.
+    """
+    py = shlex.quote(sys.executable) if python is None else python
+    map_count = request.max_nodes if request.mode == "elastic_array" else None
+    return submitit_sbatch_string(_folder(request), py, map_count, submitit_parameters(request))
+
+
+def _check_sent(text: str, submitted: Path) -> None:
+    """Warn when the script submitit sent is not the dry run's (a submitit change)."""
     try:
-        from slurm_elastic.slurm.commands import SlurmClient
-    except ImportError as exc:
-        raise SlurmCommandNotFoundError(
-            "slurm_elastic.slurm.commands is not available; cannot talk to Slurm"
-        ) from exc
-    client: JobStateClient = SlurmClient()
-    return client
+        sent = submitted.read_text(encoding="utf-8")
+    except OSError as exc:
+        log.debug("cannot read the submitted script %s: %s", submitted, exc)
+        return
+    if sent != text:
+        log.warning(
+            "the script submitit sent (%s) differs from `submit --dry-run`; this submitit "
+            "version is outside the tested range (see pyproject.toml)",
+            submitted,
+        )
 
 
 def submit_slurm(
-    request: JobRequest, client: JobStateClient | None = None, python: str | None = None
+    request: JobRequest, client: SlurmControl | None = None, python: str | None = None
 ) -> SlurmJob:
     """Submit ``request`` with submitit; return a handle that polls our Slurm seam.
 
@@ -218,4 +239,5 @@ def submit_slurm(
         job_id = str(job.job_id)
         refs = [job_id]
     log.info("submitted %s job %s (%d task(s))", request.mode, job_id, len(refs))
-    return SlurmJob(job_id, refs, jobs, client or _default_client(), text)
+    _check_sent(text, Path(jobs[0].paths.submission_file))
+    return SlurmJob(job_id, refs, jobs, client or default_control(), text)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from slurm_elastic.events import read_events
-from slurm_elastic.slurm.render import render_template
+from slurm_elastic.submit.render import render_template
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"

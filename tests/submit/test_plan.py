@@ -118,7 +118,7 @@ def test_slurm_time_forms(text: object, minutes: int) -> None:
 def test_local_dry_run_lists_one_agent_per_node(tmp_path: Path) -> None:
     plan = plan_submission("t.py", cluster="local", folder=tmp_path, nnodes="1:3")
     assert plan.cluster == "local"
-    commands = [ln for ln in plan.text.splitlines() if "slurm_elastic.submit.node" in ln]
+    commands = [ln for ln in plan.text.splitlines() if "slurm_elastic.cli.node" in ln]
     assert len(commands) == 3
     assert f'"rdzv_endpoint": "{tmp_path / "rdzv"}"' in plan.text
     assert not list(tmp_path.iterdir()), "a dry run must not create anything"

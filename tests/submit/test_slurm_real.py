@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from slurm_elastic.slurm import render
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.jobstate import JobState as SlurmState
-from slurm_elastic.submit import JobState, submit
+from slurm_elastic.submit import JobState, render, submit
 from tests.conftest import SlurmCluster
 from tests.helpers import wait_for
 

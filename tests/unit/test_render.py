@@ -1,4 +1,4 @@
-"""sbatch template rendering (slurm_elastic.slurm.render).
+"""sbatch template rendering (slurm_elastic.submit.render).
 
 Golden files live in tests/data/golden/<case>.sbatch. After an intended template change,
 regenerate them with
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from slurm_elastic.errors import ConfigError
-from slurm_elastic.slurm import render
+from slurm_elastic.submit import render
 from tests.helpers import wait_for
 
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden"

@@ -1,7 +1,8 @@
 """Render the sbatch templates of ``sbatch_templates/`` into job scripts.
 
 Rendering is a pure function of a template name and a flat mapping of values, so every
-"submit" is "render, then send" and a dry run prints exactly what would be sent.
+"submit" is "render, then send" and a dry run prints exactly what would be sent. It lives
+in :mod:`slurm_elastic.submit` because rendering a job script is part of submitting it.
 
 Templates (one per TorchElastic mode, see :data:`TEMPLATES`):
 
@@ -36,7 +37,7 @@ import dataclasses
 import difflib
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -46,9 +47,12 @@ from slurm_elastic.slurm.env import SlurmEnv
 
 __all__ = [
     "CONFIG_KEYS",
+    "SBATCH_OPTIONS",
     "TEMPLATES",
     "TEMPLATE_KEYS",
+    "SbatchOption",
     "TemplateSpec",
+    "boolean_value",
     "list_templates",
     "render_template",
     "split_values",
@@ -127,18 +131,47 @@ CONFIG_KEYS: tuple[str, ...] = (
     *(f.name for f in dataclasses.fields(ElasticConfig)),
 )
 
+
+@dataclass(frozen=True)
+class SbatchOption:
+    """One template key that is a Slurm request option, in both submission paths.
+
+    Attributes:
+        key: the template key (``partition``).
+        flag: the sbatch option of the rendered template (``--partition``).
+        submitit: the ``SlurmExecutor`` parameter of ``slurm-elastic submit``.
+        boolean: a flag without a value (``--exclusive``), given when the value is true.
+        to_submitit: converts the value for submitit (the template takes it as text).
+    """
+
+    key: str
+    flag: str
+    submitit: str
+    boolean: bool = False
+    to_submitit: Callable[[object], object] = lambda value: value
+
+
+def _cpus(value: object) -> int:
+    return _int("cpus_per_task", value, 1)
+
+
+#: The one mapping of template keys to Slurm options, shared by the template renderer
+#: (``#SBATCH`` lines) and the submitit parameters of ``submit``. ``time`` is converted
+#: to minutes for submitit by :mod:`slurm_elastic.submit.slurm_backend`.
+SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
+    SbatchOption("partition", "--partition", "partition"),
+    SbatchOption("account", "--account", "account"),
+    SbatchOption("qos", "--qos", "qos"),
+    SbatchOption("time", "--time", "time"),
+    SbatchOption("constraint", "--constraint", "constraint"),
+    SbatchOption("mem", "--mem", "mem"),
+    SbatchOption("gpus_per_node", "--gpus-per-node", "gpus_per_node"),
+    SbatchOption("cpus_per_task", "--cpus-per-task", "cpus_per_task", to_submitit=_cpus),
+    SbatchOption("exclusive", "--exclusive", "exclusive", boolean=True),
+)
+
 _PLACEHOLDER = re.compile(r"\$(\$)?\{([a-z][a-z0-9_]*)\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SBATCH_OPTION = {
-    "partition": "--partition",
-    "account": "--account",
-    "qos": "--qos",
-    "time": "--time",
-    "constraint": "--constraint",
-    "mem": "--mem",
-    "gpus_per_node": "--gpus-per-node",
-    "cpus_per_task": "--cpus-per-task",
-}
 
 
 def list_templates() -> list[str]:
@@ -211,7 +244,12 @@ def _int(key: str, value: object, minimum: int) -> int:
     return number
 
 
-def _bool(key: str, value: object) -> bool:
+def boolean_value(key: str, value: object) -> bool:
+    """A template flag's value as a bool (``true``/``yes``/``1``...).
+
+    Raises:
+        ConfigError: not a boolean.
+    """
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -338,11 +376,15 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     out["setup"] = setup if isinstance(setup, str) else "\n".join(_words("setup", setup))
 
     sbatch = []
-    for key, option in _SBATCH_OPTION.items():
-        if template.get(key) is not None:
-            sbatch.append(f"#SBATCH {option}={_line(key, template[key])}")
-    if _bool("exclusive", template["exclusive"]):
-        sbatch.append("#SBATCH --exclusive")
+    for opt in SBATCH_OPTIONS:
+        value = template.get(opt.key)
+        if value is None:
+            continue
+        if opt.boolean:
+            if boolean_value(opt.key, value):
+                sbatch.append(f"#SBATCH {opt.flag}")
+        else:
+            sbatch.append(f"#SBATCH {opt.flag}={_line(opt.key, value)}")
     sbatch += [f"#SBATCH {arg}" for arg in _words("sbatch_args", template["sbatch_args"])]
     out["sbatch_options"] = "\n".join(sbatch)
 
