@@ -239,5 +239,7 @@ def submit_slurm(
         job_id = str(job.job_id)
         refs = [job_id]
     log.info("submitted %s job %s (%d task(s))", request.mode, job_id, len(refs))
-    _check_sent(text, Path(jobs[0].paths.submission_file))
+    # one submission file per job (an array's tasks point to a per-task folder that
+    # does not hold it): <folder with %j = job id>/<job id>_submission.sh
+    _check_sent(text, submitit.core.utils.JobPaths(folder, job_id=job_id).submission_file)
     return SlurmJob(job_id, refs, jobs, client or default_control(), text)

@@ -6,6 +6,7 @@ nodes, and writes what every rank saw into tmp_path (shared by all nodes).
 
 from __future__ import annotations
 
+import logging
 import sys
 import textwrap
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.jobstate import JobState as SlurmState
-from slurm_elastic.submit import JobState, render, submit
+from slurm_elastic.submit import JobState, plan_submission, render, submit
 from tests.conftest import SlurmCluster
 from tests.helpers import wait_for
 
@@ -183,3 +184,26 @@ def test_batch_signal_reaches_every_worker_through_the_rendered_script(
     finally:
         client.run(["scancel", job])
     assert all(i.restarts == 0 for i in infos), "requeue: never must not requeue"
+
+
+@pytest.mark.parametrize("mode", ["elastic_array", "elastic"])
+def test_submit_sends_exactly_the_dry_run_script(
+    slurm_cluster: SlurmCluster, tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`submit --dry-run` is the submission: the script submitit wrote equals the plan."""
+    values = {
+        "mode": mode,
+        "nnodes": "1:2",
+        "output_dir": str(tmp_path / "logs"),
+        "state_dir": str(tmp_path / "state"),
+        "sbatch_args": ["--hold"],  # never runs: only the submitted text matters
+    }
+    plan = plan_submission("train.py", cluster="slurm", **values)
+    with caplog.at_level(logging.WARNING, logger="slurm_elastic.submit"):
+        job = submit("train.py", cluster="slurm", client=slurm_cluster.client, **values)
+    assert "differs from `submit --dry-run`" not in caplog.text
+    try:
+        sent = (tmp_path / "logs" / job.job_id / f"{job.job_id}_submission.sh").read_text()
+    finally:
+        slurm_cluster.client.cancel(job.job_id)
+    assert sent == plan.text == job.sbatch_text
