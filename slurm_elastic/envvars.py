@@ -89,7 +89,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         CONFIG_KEY_PATTERN,
         "a config key, e.g. SLURM_ELASTIC_MAX_NODES=4 (beats the YAML file, loses to flags)",
-        "you; `render`/`submit` export the keys of the job file in the sbatch script",
+        "you; `render` exports the job file's config keys in the sbatch script",
         "`slurm_elastic.config.load_config` (agent, `config`)",
     ),
     EnvVar(
