@@ -55,6 +55,7 @@ __all__ = [
     "boolean_value",
     "list_templates",
     "render_template",
+    "slurm_time_minutes",
     "split_values",
     "template_text",
     "template_values",
@@ -155,14 +156,48 @@ def _cpus(value: object) -> int:
     return _int("cpus_per_task", value, 1)
 
 
+def slurm_time_minutes(value: object) -> int:
+    """Minutes of a Slurm ``--time`` (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``).
+
+    Seconds round up to the next minute (submitit takes whole minutes).
+
+    Raises:
+        ConfigError: not a Slurm time.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    try:
+        days = 0
+        if "-" in text:
+            d, text = text.split("-", 1)
+            days = int(d)
+            parts = [int(p) for p in text.split(":")] + [0, 0]
+            hours, minutes, seconds = parts[0], parts[1], parts[2]
+        else:
+            parts = [int(p) for p in text.split(":")]
+            if len(parts) == 1:
+                hours, minutes, seconds = 0, parts[0], 0
+            elif len(parts) == 2:
+                hours, minutes, seconds = 0, parts[0], parts[1]
+            elif len(parts) == 3:
+                hours, minutes, seconds = parts
+            else:
+                raise ValueError(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"time {value!r}: expected minutes or a Slurm time such as '04:00:00' or '1-12:00'"
+        ) from exc
+    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+
+
 #: The one mapping of template keys to Slurm options, shared by the template renderer
-#: (``#SBATCH`` lines) and the submitit parameters of ``submit``. ``time`` is converted
-#: to minutes for submitit by :mod:`slurm_elastic.submit.slurm_backend`.
+#: (``#SBATCH`` lines) and the submitit parameters of ``submit``.
 SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
     SbatchOption("partition", "--partition", "partition"),
     SbatchOption("account", "--account", "account"),
     SbatchOption("qos", "--qos", "qos"),
-    SbatchOption("time", "--time", "time"),
+    SbatchOption("time", "--time", "time", to_submitit=slurm_time_minutes),
     SbatchOption("constraint", "--constraint", "constraint"),
     SbatchOption("mem", "--mem", "mem"),
     SbatchOption("gpus_per_node", "--gpus-per-node", "gpus_per_node"),

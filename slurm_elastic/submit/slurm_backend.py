@@ -48,33 +48,8 @@ __all__ = ["sbatch_text", "submit_slurm", "submitit_parameters", "submitit_sbatc
 log = logging.getLogger(__name__)
 
 
-def _minutes(value: object) -> int:
-    """Slurm ``--time`` forms (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    text = str(value).strip()
-    try:
-        days = 0
-        if "-" in text:
-            d, text = text.split("-", 1)
-            days = int(d)
-            parts = [int(p) for p in text.split(":")] + [0, 0]
-            hours, minutes, seconds = parts[0], parts[1], parts[2]
-        else:
-            parts = [int(p) for p in text.split(":")]
-            if len(parts) == 1:
-                hours, minutes, seconds = 0, parts[0], 0
-            elif len(parts) == 2:
-                hours, minutes, seconds = 0, parts[0], parts[1]
-            elif len(parts) == 3:
-                hours, minutes, seconds = parts
-            else:
-                raise ValueError(text)
-    except ValueError as exc:
-        raise ConfigError(
-            f"time {value!r}: expected minutes or a Slurm time such as '04:00:00' or '1-12:00'"
-        ) from exc
-    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+# the Slurm time parser moved to the option table's module; kept for its tests
+_minutes = render.slurm_time_minutes
 
 
 def _sbatch_arg(arg: str) -> tuple[str, object]:
@@ -107,8 +82,6 @@ def submitit_parameters(request: JobRequest) -> dict[str, Any]:
         if opt.boolean:
             if render.boolean_value(opt.key, value):
                 params[opt.submitit] = True
-        elif opt.key == "time":
-            params[opt.submitit] = _minutes(value)
         else:
             params[opt.submitit] = opt.to_submitit(value)
     if request.mode == "elastic_array":
