@@ -1,30 +1,20 @@
-"""CheckpointManager: atomic, verified, retained, optionally asynchronous checkpoints.
+"""CheckpointManager: the replicated (DDP) front end of the checkpoint package.
 
-See :mod:`slurm_elastic.checkpoint.manifest` for the on-disk layout and why it is safe on
-a parallel filesystem. This module holds the write path (stage → serialize with inline
-CRC32 → fsync → manifest → rename), the read path (newest checkpoint that verifies), the
-retention policy, and the single background writer used by async saves.
-
-Testing seam: ``testing_hook`` (a constructor argument) is called with the name of each
-point of the write path (``"after_mkdir"``, ``"mid_data"``, ``"before_manifest"``,
-``"before_commit"``, ``"after_commit"``). Tests use it to SIGKILL a child deterministically
-at each point; production code leaves it ``None``.
+It composes three parts: the torch-free :class:`~slurm_elastic.checkpoint.store.CheckpointStore`
+(temporary names, commit, listing, retention, verification: the only code touching the
+directory), the :mod:`~slurm_elastic.checkpoint.serializer` (``torch.save`` with inline
+CRC32) and the :class:`~slurm_elastic.checkpoint.saver.AsyncSaver` (host staging plus one
+background writer). Crash points for tests: :mod:`slurm_elastic.checkpoint._faults`.
 """
 
 from __future__ import annotations
 
 import builtins
-import errno
 import logging
 import os
-import shutil
-import threading
 import time
-import uuid
-import zlib
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,17 +22,17 @@ from typing import Any
 import torch
 
 from slurm_elastic import events
-from slurm_elastic.checkpoint.manifest import (
-    FileRecord,
-    Manifest,
-    fsync_dir,
-    parse_step_dir,
-    read_manifest,
-    step_dir_name,
-    verify_checkpoint,
-    write_manifest,
+from slurm_elastic.checkpoint import _faults
+from slurm_elastic.checkpoint.manifest import Manifest, verify_checkpoint
+from slurm_elastic.checkpoint.saver import AsyncSaver, CheckpointFlushTimeout
+from slurm_elastic.checkpoint.serializer import STATE_FILE, write_state
+from slurm_elastic.checkpoint.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    checked_metadata,
+    checked_step,
+    describe_os_error,
 )
-from slurm_elastic.checkpoint.staging import HostStager, state_nbytes
 from slurm_elastic.envvars import CHECKPOINT_DIR_ENV
 from slurm_elastic.errors import (
     CheckpointCorruptError,
@@ -61,25 +51,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "state.pt"
-TMP_PREFIX = ".tmp-step_"
-REPLACED_PREFIX = ".replaced-step_"
-
-
-class CheckpointFlushTimeout(CheckpointError, TimeoutError):
-    """:meth:`CheckpointManager.flush` gave up waiting; the save is still in flight."""
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint directory as seen by :meth:`CheckpointManager.list_checkpoints`.
-
-    ``manifest`` is ``None`` when it cannot be read (the checkpoint is damaged).
-    """
-
-    step: int
-    path: Path
-    manifest: Manifest | None
 
 
 @dataclass(frozen=True)
@@ -92,67 +63,10 @@ class LoadedCheckpoint:
     manifest: Manifest
 
 
-def describe_os_error(exc: OSError, path: Path, action: str) -> str:
-    """Return a message naming the path, the cause and the fix for a failed write."""
-    code = exc.errno
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        hint = (
-            "no space left (or quota exceeded): free space, lower keep_last, or point "
-            "the checkpoint directory at a larger filesystem"
-        )
-    elif code in (errno.EACCES, errno.EPERM):
-        hint = "permission denied: make the directory writable by this user"
-    elif code == errno.EROFS:
-        hint = "the filesystem is mounted read-only: choose a writable checkpoint directory"
-    else:
-        hint = os.strerror(code) if code else str(exc)
-    return f"cannot {action} {path}: {hint} ({exc}); previous checkpoints are intact"
-
-
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-class _ChecksumWriter:
-    """A write-only file object that CRCs what it writes; handed to ``torch.save``."""
-
-    def __init__(self, path: Path, on_bytes: Callable[[int], None]) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self.crc = 0
-        self.size = 0
-        self.error: OSError | None = None
-        self._on_bytes = on_bytes
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        self.crc = zlib.crc32(view, self.crc)
-        try:
-            while view:
-                view = view[os.write(self.fd, view) :]
-        except OSError as exc:
-            self.error = exc  # torch may wrap it; keep the original for the message
-            raise
-        self.size += n
-        self._on_bytes(self.size)
-        return n
-
-    def flush(self) -> None:
-        """Nothing is buffered in user space."""
-
-    def sync_and_close(self) -> None:
-        try:
-            os.fsync(self.fd)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class CheckpointManager:
@@ -169,7 +83,6 @@ class CheckpointManager:
         rank: this process's rank (default: torch.distributed, else ``$RANK``, else 0).
         weights_only: passed to ``torch.load``; the default ``True`` refuses arbitrary
             pickled objects (loading a checkpoint then cannot run code).
-        testing_hook: test seam, see the module docstring.
 
     Raises:
         CheckpointError: ``keep_last``/``keep_every`` < 1.
@@ -183,23 +96,27 @@ class CheckpointManager:
         keep_every: int | None = None,
         rank: int | None = None,
         weights_only: bool = True,
-        testing_hook: Callable[[str], None] | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise CheckpointError(f"keep_last={keep_last} must be >= 1 (or None to keep all)")
-        if keep_every is not None and keep_every < 1:
-            raise CheckpointError(f"keep_every={keep_every} must be >= 1 (or None)")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self.store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every)
         self._rank = rank
         self.weights_only = weights_only
-        self._hook = testing_hook
-        self._stager = HostStager()
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future[Path] | None = None
-        self._lock = threading.Lock()
+        self._saver = AsyncSaver()
         self.last_saved: Path | None = None
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory."""
+        return self.store.directory
+
+    @property
+    def keep_last(self) -> int | None:
+        """Retention: how many newest checkpoints are kept."""
+        return self.store.keep_last
+
+    @property
+    def keep_every(self) -> int | None:
+        """Retention: steps divisible by this are kept too."""
+        return self.store.keep_every
 
     @classmethod
     def from_env(
@@ -240,33 +157,33 @@ class CheckpointManager:
 
         Args:
             state: a tree of dicts/lists/tensors/plain values (e.g. a training bundle).
-            step: the step number (``step_<N>``); saving an existing step replaces it.
-            metadata: small JSON-able fields stored in the manifest.
+            step: the step number (``step_<N>``): an int >= 0 (numpy integers and 0-d
+                integer tensors are accepted); saving an existing step replaces it.
+            metadata: small JSON fields (str keys; str/int/float/bool/None/lists/dicts)
+                stored in the manifest.
             blocking: see above.
 
         Returns:
             The committed directory (blocking save on rank 0), else ``None``.
 
         Raises:
+            CheckpointError: ``step`` is not an integer >= 0 or ``metadata`` is not JSON
+                (refused before anything is written).
             CheckpointWriteError: the write failed (no space, permission, read-only, a
                 state that cannot be serialized); the previous checkpoints are intact.
                 For a non-blocking save the error of the *previous* save is raised here.
         """
-        if step < 0:
-            raise CheckpointError(f"step={step} must be >= 0")
+        step = checked_step(step)  # refuse before anything is written
+        meta = checked_metadata(metadata)
         self.flush()  # at most one in flight; surfaces the previous save's error
         if self.rank != 0:
             return None
-        meta = dict(metadata or {})
         if blocking:
             return self._write(state, step, meta, time.perf_counter(), 0.0)
         start = time.perf_counter()
-        staged = self._stager.stage(state)
-        stall = time.perf_counter() - start
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-            self._pending = self._executor.submit(self._write, staged, step, meta, start, stall)
+        stall = self._saver.submit(
+            state, lambda staged, stall: self._write(staged, step, meta, start, stall)
+        )
         log.debug("checkpoint step %d staged in %.3f s; writing in the background", step, stall)
         return None
 
@@ -283,105 +200,51 @@ class CheckpointManager:
             CheckpointFlushTimeout: still writing after ``timeout`` s (it keeps going).
             CheckpointWriteError: the background save failed (raised once).
         """
-        with self._lock:
-            pending = self._pending
-        if pending is not None:
-            try:
-                pending.result(timeout=timeout)
-            except FutureTimeout as exc:
-                raise CheckpointFlushTimeout(
-                    f"checkpoint save into {self.directory} still in flight after {timeout} s; "
-                    "give the preemption grace window more time (shutdown_timeout_s)"
-                ) from exc
-            finally:
-                with self._lock:
-                    if self._pending is pending and pending.done():
-                        self._pending = None
+        self._saver.flush(timeout, str(self.directory))
         return self.last_saved
 
     @property
     def in_flight(self) -> bool:
         """Whether an async save is still being written."""
-        with self._lock:
-            return self._pending is not None and not self._pending.done()
+        return self._saver.in_flight
 
     def close(self) -> None:
         """Flush, stop the background writer and release the staging buffers."""
         try:
             self.flush()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            self._stager.release()
-
-    def _call_hook(self, point: str) -> None:
-        if self._hook is not None:
-            self._hook(point)
+            self._saver.close()
 
     def _write(
         self, state: Any, step: int, metadata: dict[str, Any], start: float, stall: float
     ) -> Path:
-        tmp = self.directory / f"{TMP_PREFIX}{step}-{uuid.uuid4().hex[:12]}"
-        half = max(1, state_nbytes(state) // 2)
-        mid_called = False
-
-        def on_bytes(total: int) -> None:
-            nonlocal mid_called
-            if not mid_called and total >= half:
-                mid_called = True
-                self._call_hook("mid_data")
-
-        writer: _ChecksumWriter | None = None
+        store = self.store
+        tmp = store.directory / "(not created)"
         action = "create checkpoint directory"
         try:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                os.mkdir(tmp, 0o755)
-                self._call_hook("after_mkdir")
-                action = "write checkpoint data"
-                writer = _ChecksumWriter(tmp / STATE_FILE, on_bytes)
-                try:
-                    torch.save(state, writer)  # type: ignore[arg-type]
-                except OSError:
-                    raise
-                except Exception as exc:
-                    if writer.error is not None:
-                        raise writer.error from exc
-                    raise CheckpointWriteError(
-                        f"cannot serialize the state for checkpoint {tmp}: {exc}; "
-                        "save only tensors, containers and plain values"
-                    ) from exc
-                writer.sync_and_close()
-                world = _dist_rank_world()[1]
-                manifest = Manifest(
-                    step=step,
-                    kind="replicated",
-                    world_size=world,
-                    files=(FileRecord(STATE_FILE, writer.size, writer.crc),),
-                    metadata=metadata,
-                )
-                self._call_hook("before_manifest")
-                action = "write checkpoint manifest"
-                write_manifest(tmp, manifest)
-                fsync_dir(tmp)
-                self._call_hook("before_commit")
-                action = "commit checkpoint"
-                final = self._commit(tmp, step)
-            finally:
-                if writer is not None:
-                    writer.close()
+            tmp = store.begin(step)
+            _faults.point("after_mkdir")
+            action = "write checkpoint data"
+            record = write_state(state, tmp)
+            manifest = Manifest(
+                step=step,
+                kind="replicated",
+                world_size=_dist_rank_world()[1],
+                files=(record,),
+                metadata=metadata,
+            )
+            action = "commit checkpoint"
+            final = store.commit(tmp, manifest)
         except OSError as exc:
-            self._discard(tmp)
+            store.discard(tmp)
             message = describe_os_error(exc, tmp, action)
             log.error("%s", message)
             events.emit("checkpoint.failed", step=step, path=str(tmp), error=str(exc))
             raise CheckpointWriteError(message) from exc
         except CheckpointWriteError as exc:
-            self._discard(tmp)
+            store.discard(tmp)
             events.emit("checkpoint.failed", step=step, path=str(tmp), error=str(exc))
             raise
-        self._call_hook("after_commit")
         seconds = time.perf_counter() - start
         self.last_saved = final
         log.info(
@@ -400,107 +263,24 @@ class CheckpointManager:
             seconds=seconds,
             stall_seconds=stall or seconds,
         )
-        self._apply_retention(step)
+        store.apply_retention(step)
         return final
 
-    def _commit(self, tmp: Path, step: int) -> Path:
-        final = self.directory / step_dir_name(step)
-        if final.exists():
-            # Saving a step again (e.g. after resuming from an older checkpoint): move the
-            # old one aside first, so a crash in between leaves one of them complete.
-            aside = self.directory / f"{REPLACED_PREFIX}{step}-{uuid.uuid4().hex[:12]}"
-            log.warning("checkpoint %s exists; replacing it (old copy: %s)", final, aside)
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            fsync_dir(self.directory)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-            fsync_dir(self.directory)
-        return final
-
-    @staticmethod
-    def _discard(tmp: Path) -> None:
-        try:
-            shutil.rmtree(tmp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # e.g. read-only: nothing was created anyway
-            log.debug("could not remove %s: %s", tmp, exc)
-
-    # ------------------------------------------------------------------ list / retention
+    # ------------------------------------------------------------------ list
     def list_checkpoints(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first (damaged ones have ``manifest=None``)."""
-        infos: builtins.list[CheckpointInfo] = []
-        try:
-            entries = builtins.list(os.scandir(self.directory))
-        except FileNotFoundError:
-            return infos
-        for entry in entries:
-            step = parse_step_dir(entry.name)
-            if step is None or not entry.is_dir():
-                continue
-            path = Path(entry.path)
-            try:
-                manifest: Manifest | None = read_manifest(path)
-            except CheckpointCorruptError:
-                manifest = None
-            infos.append(CheckpointInfo(step, path, manifest))
-        infos.sort(key=lambda i: i.step)
-        return infos
+        return self.store.list_checkpoints()
 
     def incomplete(self) -> builtins.list[Path]:
-        """Leftovers of interrupted saves (``.tmp-step_*``, ``.replaced-step_*``)."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        return sorted(
-            self.directory / n for n in names if n.startswith((TMP_PREFIX, REPLACED_PREFIX))
-        )
-
-    def _apply_retention(self, just_saved: int) -> None:
-        """Delete old checkpoints; never one at or after ``just_saved`` (verified by
-        construction, so the newest verified checkpoint is never touched)."""
-        for leftover in self.incomplete():
-            log.warning("removing %s, left by an interrupted checkpoint save", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
-        if self.keep_last is None:
-            return
-        infos = self.list_checkpoints()
-        keep = {i.step for i in infos[-self.keep_last :]}
-        keep.update(i.step for i in infos if i.step >= just_saved)
-        if self.keep_every is not None:
-            keep.update(i.step for i in infos if i.step % self.keep_every == 0)
-        for info in infos:
-            if info.step in keep:
-                continue
-            log.info("retention: removing old checkpoint %s", info.path)
-            try:
-                shutil.rmtree(info.path)
-            except OSError as exc:
-                log.warning("retention could not remove %s: %s", info.path, exc)
-            events.emit("checkpoint.removed", step=info.step, path=str(info.path))
-
-    # ------------------------------------------------------------------ load
-    def _skip(self, info: CheckpointInfo, exc: Exception) -> None:
-        log.warning("skipping damaged checkpoint %s: %s", info.path, exc)
-        events.emit("checkpoint.skipped", step=info.step, path=str(info.path), error=str(exc))
+        """Leftovers of interrupted saves (never loaded)."""
+        return self.store.incomplete()
 
     def latest_verified(self, *, deep: bool = True) -> CheckpointInfo | None:
         """The newest committed checkpoint that verifies; damaged ones are skipped with a
         WARNING naming them (and never deleted)."""
-        for leftover in self.incomplete():
-            log.warning("ignoring %s: an interrupted checkpoint save (never committed)", leftover)
-        for info in reversed(self.list_checkpoints()):
-            try:
-                manifest = verify_checkpoint(info.path, deep=deep)
-            except CheckpointCorruptError as exc:
-                self._skip(info, exc)
-                continue
-            return CheckpointInfo(info.step, info.path, manifest)
-        return None
+        return self.store.latest_verified(deep=deep)
 
+    # ------------------------------------------------------------------ load
     def load_latest(
         self, map_location: Any = "cpu", *, mmap: bool = False
     ) -> LoadedCheckpoint | None:
@@ -527,16 +307,13 @@ class CheckpointManager:
         distributed = dist.is_available() and dist.is_initialized()
         loaded: LoadedCheckpoint | None = None
         if not distributed or dist.get_rank() == 0:
-            for leftover in self.incomplete():
-                log.warning(
-                    "ignoring %s: an interrupted checkpoint save (never committed)", leftover
-                )
+            self.store.warn_incomplete()
             for info in reversed(self.list_checkpoints()):
                 try:
                     loaded = self.load(info.step, map_location, mmap=mmap)
                     break
                 except CheckpointCorruptError as exc:
-                    self._skip(info, exc)
+                    self.store.report_damaged(info, exc)
         if distributed and dist.get_world_size() > 1:
             box: builtins.list[Any] = [loaded.step if loaded else None]
             dist.broadcast_object_list(box, src=0)
@@ -555,10 +332,8 @@ class CheckpointManager:
             CheckpointCorruptError: missing, incomplete or damaged.
             CheckpointError: not a replicated checkpoint, or not weights-only loadable.
         """
-        path = self.directory / step_dir_name(step)
-        if not path.is_dir():
-            raise CheckpointCorruptError(f"checkpoint {path} does not exist")
-        manifest = verify_checkpoint(path, deep=False)  # sizes: cheap, catches truncation
+        path = self.store.step_path(step)
+        manifest = self.store.verify(step, deep=False)  # sizes: cheap, catches truncation
         if manifest.kind != "replicated":
             raise CheckpointError(
                 f"checkpoint {path} is {manifest.kind!r}; load it with "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import builtins
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,16 +22,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from slurm_elastic import events
-from slurm_elastic.checkpoint.manager import TMP_PREFIX, CheckpointManager, describe_os_error
-from slurm_elastic.checkpoint.manifest import (
-    FileRecord,
-    Manifest,
-    crc32_file,
-    fsync_dir,
-    step_dir_name,
-    verify_checkpoint,
-    write_manifest,
-)
+from slurm_elastic.checkpoint.manager import CheckpointManager
+from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file, verify_checkpoint
+from slurm_elastic.checkpoint.store import checked_metadata, checked_step, describe_os_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -68,16 +60,24 @@ def save_sharded(
         CheckpointWriteError: any rank failed to write (all ranks raise); previous
             checkpoints are intact.
     """
+    step = checked_step(step)
+    meta = checked_metadata(metadata)
     rank, world = _require_pg()
     manager.flush()
+    store = manager.store
     start = time.perf_counter()
-    tmp = manager.directory / _broadcast(f"{TMP_PREFIX}{step}-{uuid.uuid4().hex[:12]}")
     error: str | None = None
+    tmp_name: str | None = None
+    if rank == 0:
+        try:
+            tmp_name = store.begin(step).name
+        except OSError as exc:
+            error = describe_os_error(exc, store.directory, "create sharded checkpoint in")
+    tmp_name = _broadcast(tmp_name)
+    tmp = store.directory / (tmp_name or "(not created)")
     try:
-        if rank == 0:
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        if tmp_name is not None:
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     except OSError as exc:
         error = describe_os_error(exc, tmp, "write sharded checkpoint")
     except Exception as exc:  # DCP wraps per-rank failures in CheckpointException
@@ -89,10 +89,8 @@ def save_sharded(
             files = tuple(
                 FileRecord(p.name, *crc32_file(p)) for p in sorted(tmp.iterdir()) if p.is_file()
             )
-            manifest = Manifest(step, "sharded", world, files, metadata=dict(metadata or {}))
-            write_manifest(tmp, manifest)
-            fsync_dir(tmp)
-            final = manager._commit(tmp, step)
+            manifest = Manifest(step, "sharded", world, files, metadata=meta)
+            final = store.commit(tmp, manifest)
         except OSError as exc:
             error = describe_os_error(exc, tmp, "commit sharded checkpoint")
     errors = [None] * world
@@ -100,10 +98,10 @@ def save_sharded(
     first = next((e for e in errors if e), None)
     if first is not None:
         if rank == 0:
-            manager._discard(tmp)
+            store.discard(tmp)
             events.emit("checkpoint.failed", step=step, path=str(tmp), error=first)
         raise CheckpointWriteError(first)
-    path = manager.directory / step_dir_name(step)
+    path = store.step_path(step)
     if rank == 0 and final is not None and manifest is not None:
         seconds = time.perf_counter() - start
         log.info(
@@ -117,7 +115,7 @@ def save_sharded(
             seconds=seconds,
             kind="sharded",
         )
-        manager._apply_retention(step)
+        store.apply_retention(step)
     dist.barrier()  # nobody loads before the commit
     return path
 
@@ -146,7 +144,7 @@ def load_sharded(
             except CheckpointCorruptError as exc:
                 if step is not None:
                     raise
-                manager._skip(info, exc)
+                manager.store.report_damaged(info, exc)
                 continue
             if manifest.kind == "sharded":
                 chosen = str(info.path)

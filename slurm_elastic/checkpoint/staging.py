@@ -11,6 +11,11 @@ one save in flight).
 Containers (``dict``, ``list``, ``tuple``, ``OrderedDict``) are rebuilt; other leaves are
 deep-copied (they are small: ints, floats, strings, RNG states). Tensors that share storage
 are staged as independent copies.
+
+Each buffer is keyed by the tensor's structural path: a tuple of ``(container type, key
+type, key)`` steps, never a printed form, so the keys ``1`` and ``"1"``, ``"a/b"`` and a
+nested ``a -> b``, or an optimizer's ``{0: ...}`` next to ``{"0": ...}`` each get their own
+buffer.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 import torch
 
 __all__ = ["HostStager", "state_nbytes"]
+
+_Path = tuple[tuple[str, type, Any], ...]
 
 
 def state_nbytes(state: Any) -> int:
@@ -43,7 +50,7 @@ class HostStager:
     """
 
     def __init__(self, *, pin_memory: bool = True) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[_Path, torch.Tensor] = {}
         self._pin = pin_memory
 
     def release(self) -> None:
@@ -60,8 +67,8 @@ class HostStager:
 
         Must not be called while a previous staged copy is still being written.
         """
-        seen: set[str] = set()
-        staged = self._stage(state, "", seen)
+        seen: set[_Path] = set()
+        staged = self._stage(state, (), seen)
         for key in list(self._buffers):
             if key not in seen:
                 del self._buffers[key]
@@ -69,21 +76,23 @@ class HostStager:
             torch.cuda.synchronize()  # the non_blocking device-to-host copies must land
         return staged
 
-    def _stage(self, obj: Any, path: str, seen: set[str]) -> Any:
+    def _stage(self, obj: Any, path: _Path, seen: set[_Path]) -> Any:
         if isinstance(obj, torch.Tensor):
             seen.add(path)
             return self._stage_tensor(obj.detach(), path)
         if isinstance(obj, OrderedDict):
-            return OrderedDict((k, self._stage(v, f"{path}/{k}", seen)) for k, v in obj.items())
+            return OrderedDict(
+                (k, self._stage(v, (*path, ("o", type(k), k)), seen)) for k, v in obj.items()
+            )
         if isinstance(obj, dict):
-            return {k: self._stage(v, f"{path}/{k}", seen) for k, v in obj.items()}
+            return {k: self._stage(v, (*path, ("d", type(k), k)), seen) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self._stage(v, f"{path}/{i}", seen) for i, v in enumerate(obj)]
+            return [self._stage(v, (*path, ("l", int, i)), seen) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._stage(v, f"{path}/{i}", seen) for i, v in enumerate(obj))
+            return tuple(self._stage(v, (*path, ("t", int, i)), seen) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
 
-    def _stage_tensor(self, tensor: torch.Tensor, path: str) -> torch.Tensor:
+    def _stage_tensor(self, tensor: torch.Tensor, path: _Path) -> torch.Tensor:
         buf = self._buffers.get(path)
         if (
             buf is None

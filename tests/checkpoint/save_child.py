@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manager import CheckpointManager
 
 
@@ -35,7 +36,8 @@ def main() -> None:
             Path(marker).write_text(reached)
             threading.Event().wait()  # wait to be SIGKILLed
 
-    manager = CheckpointManager(directory, keep_last=3, testing_hook=hook)
+    _faults.install(hook)  # the test seam: block at POINT, to be SIGKILLed there
+    manager = CheckpointManager(directory, keep_last=3)
     manager.save(state_for(1), 1)
     armed.set()  # only now: step 1 must complete
     state = state_for(2)

@@ -12,12 +12,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manager import (
     CheckpointFlushTimeout,
     CheckpointManager,
@@ -27,6 +28,13 @@ from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, Checkp
 from tests.helpers import wait_for
 
 CHILD = Path(__file__).with_name("save_child.py")
+
+
+@pytest.fixture
+def fault_hook() -> Iterator[Callable[[Callable[[str], None]], None]]:
+    """Install a hook at the checkpoint code's crash points (the ``_faults`` test seam)."""
+    yield lambda hook: _faults.install(hook)
+    _faults.install(None)
 
 
 def state_for(step: int, rows: int = 256) -> dict[str, object]:
@@ -285,7 +293,9 @@ def test_unserializable_state_is_a_write_error(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- async
 
 
-def test_async_save_returns_while_writing_and_flush_waits(tmp_path: Path) -> None:
+def test_async_save_returns_while_writing_and_flush_waits(
+    tmp_path: Path, fault_hook: Callable[[Callable[[str], None]], None]
+) -> None:
     reached = threading.Event()
     release = threading.Event()
 
@@ -294,7 +304,8 @@ def test_async_save_returns_while_writing_and_flush_waits(tmp_path: Path) -> Non
             reached.set()
             release.wait(timeout=120)
 
-    mgr = CheckpointManager(tmp_path, testing_hook=hook)
+    fault_hook(hook)
+    mgr = CheckpointManager(tmp_path)
     state = state_for(1, rows=1024)
     expected = state["w"].clone()
     assert mgr.save(state, 1, blocking=False) is None  # returned: only staging blocked
@@ -313,9 +324,12 @@ def test_async_save_returns_while_writing_and_flush_waits(tmp_path: Path) -> Non
     mgr.close()
 
 
-def test_second_async_save_waits_for_the_first(tmp_path: Path) -> None:
+def test_second_async_save_waits_for_the_first(
+    tmp_path: Path, fault_hook: Callable[[Callable[[str], None]], None]
+) -> None:
     order: list[str] = []
-    mgr = CheckpointManager(tmp_path, keep_last=None, testing_hook=order.append)
+    fault_hook(order.append)
+    mgr = CheckpointManager(tmp_path, keep_last=None)
     mgr.save(state_for(1), 1, blocking=False)
     mgr.save(state_for(2), 2, blocking=False)
     mgr.flush()

