@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -55,7 +56,9 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_SAFE_NAME = re.compile(r"^(?!\.\.?$)[^/\x00]{1,255}$")
+_MAX_MANIFEST_BYTES = 64 << 20
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 16 << 20
 
@@ -107,45 +110,110 @@ class Manifest:
         """Sum of the data file sizes."""
         return sum(f.bytes for f in self.files)
 
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "step": self.step,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "created": self.created,
+            "total_bytes": self.total_bytes,
+            "files": [{"name": f.name, "bytes": f.bytes, "crc32": f.crc32} for f in self.files],
+            "metadata": dict(self.metadata),
+        }
+
     def to_json(self) -> str:
-        """Serialize to the JSON text stored in ``manifest.json``."""
-        return json.dumps(
-            {
-                "format_version": self.format_version,
-                "step": self.step,
-                "kind": self.kind,
-                "world_size": self.world_size,
-                "created": self.created,
-                "total_bytes": self.total_bytes,
-                "files": [{"name": f.name, "bytes": f.bytes, "crc32": f.crc32} for f in self.files],
-                "metadata": dict(self.metadata),
-            },
-            indent=1,
-            sort_keys=True,
-        )
+        """Serialize to the JSON text stored in ``manifest.json``, with its own CRC32.
+
+        ``manifest_crc32`` covers every other field (the canonical compact JSON of them),
+        so damage to any byte of the manifest is detected on read.
+        """
+        body = self._body()
+        body["manifest_crc32"] = _body_crc(body)
+        return json.dumps(body, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, *, source: Path) -> Manifest:
-        """Parse manifest text; raise :class:`CheckpointCorruptError` naming ``source``."""
+        """Parse and check manifest text.
+
+        Every field is covered by ``manifest_crc32`` and type-checked; file names must be
+        plain names inside the checkpoint directory.
+
+        Raises:
+            CheckpointCorruptError: naming ``source`` and what is wrong (never another error).
+        """
         try:
-            raw = json.loads(text)
-            files = tuple(
-                FileRecord(str(f["name"]), int(f["bytes"]), int(f["crc32"])) for f in raw["files"]
-            )
-            return cls(
-                step=int(raw["step"]),
-                kind=str(raw["kind"]),
-                world_size=int(raw["world_size"]),
-                files=files,
-                created=float(raw["created"]),
-                metadata=dict(raw.get("metadata", {})),
-                format_version=int(raw["format_version"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
+            return cls._parse(text)
+        except CheckpointCorruptError as exc:
             raise CheckpointCorruptError(
-                f"checkpoint manifest {source} is unreadable ({exc}); the checkpoint is "
-                "incomplete or damaged and will not be loaded"
+                f"checkpoint manifest {source} is damaged ({exc}); the checkpoint will not "
+                "be loaded"
             ) from exc
+        except Exception as exc:  # any damage is "skip it", never a crash
+            raise CheckpointCorruptError(
+                f"checkpoint manifest {source} is unreadable ({type(exc).__name__}: {exc}); "
+                "the checkpoint is incomplete or damaged and will not be loaded"
+            ) from exc
+
+    @classmethod
+    def _parse(cls, text: str) -> Manifest:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise CheckpointCorruptError("not a JSON object")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION and not (version == 1 and "manifest_crc32" not in raw):
+            raise CheckpointCorruptError(f"format_version={version!r} is not supported")
+        if "manifest_crc32" in raw or version != 1:
+            stored = raw.pop("manifest_crc32", None)
+            if type(stored) is not int or stored != _body_crc(raw):
+                raise CheckpointCorruptError("its own CRC32 does not match (changed bytes)")
+        expected = {"format_version", "step", "kind", "world_size", "created", "total_bytes"}
+        expected |= {"files", "metadata"}
+        if set(raw) != expected:
+            raise CheckpointCorruptError(f"fields {sorted(raw)} != {sorted(expected)}")
+        files_raw = raw["files"]
+        if not isinstance(files_raw, list) or not files_raw:
+            raise CheckpointCorruptError("files must be a non-empty list")
+        files = []
+        for f in files_raw:
+            if not isinstance(f, dict) or set(f) != {"name", "bytes", "crc32"}:
+                raise CheckpointCorruptError(f"bad file record {f!r}")
+            name, size, crc = f["name"], f["bytes"], f["crc32"]
+            if not isinstance(name, str) or not _SAFE_NAME.match(name) or name == MANIFEST_NAME:
+                raise CheckpointCorruptError(f"file name {name!r} is not a plain data file name")
+            if not _is_int(size) or size < 0 or not _is_int(crc) or not 0 <= crc < 1 << 32:
+                raise CheckpointCorruptError(f"bad size/CRC32 in file record {f!r}")
+            files.append(FileRecord(name, size, crc))
+        step, world, created = raw["step"], raw["world_size"], raw["created"]
+        if not _is_int(step) or step < 0 or not _is_int(world) or world < 1:
+            raise CheckpointCorruptError(f"bad step={step!r} or world_size={world!r}")
+        if raw["kind"] not in ("replicated", "sharded"):
+            raise CheckpointCorruptError(f"unknown kind={raw['kind']!r}")
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise CheckpointCorruptError(f"bad created={created!r}")
+        if not isinstance(raw["metadata"], dict):
+            raise CheckpointCorruptError("metadata is not an object")
+        manifest = cls(
+            step=step,
+            kind=raw["kind"],
+            world_size=world,
+            files=tuple(files),
+            created=float(created),
+            metadata=raw["metadata"],
+            format_version=version,
+        )
+        if raw["total_bytes"] != manifest.total_bytes:
+            raise CheckpointCorruptError("total_bytes does not match the file records")
+        return manifest
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _body_crc(body: Mapping[str, Any]) -> int:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return zlib.crc32(canonical.encode())
 
 
 def fsync_dir(path: Path) -> None:
@@ -161,7 +229,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write ``directory/manifest.json`` durably (tmp file, fsync, rename)."""
     tmp = directory / (MANIFEST_NAME + ".tmp")
     data = manifest.to_json().encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -173,22 +241,47 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """Read the manifest of a committed checkpoint directory.
+    """Read and check the manifest of a committed checkpoint directory.
+
+    The manifest must be a regular file (not a link, FIFO or directory) of sane size, and
+    its step must be the one in the directory's name.
 
     Raises:
-        CheckpointCorruptError: no manifest, or it cannot be parsed.
+        CheckpointCorruptError: no manifest, or it is damaged in any way.
     """
     path = directory / MANIFEST_NAME
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(
             f"checkpoint {directory} has no {MANIFEST_NAME}; it was not committed by "
             "slurm_elastic (or was damaged) and will not be loaded"
         ) from exc
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise CheckpointCorruptError(f"cannot open manifest {path}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(
+                f"manifest {path} is not a regular file of at most {_MAX_MANIFEST_BYTES} bytes"
+            )
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
         raise CheckpointCorruptError(f"cannot read manifest {path}: {exc}") from exc
-    return Manifest.from_json(text, source=path)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"manifest {path} is not UTF-8 text ({exc})") from exc
+    manifest = Manifest.from_json(text, source=path)
+    named = parse_step_dir(directory.name)
+    if named is not None and named != manifest.step:
+        raise CheckpointCorruptError(
+            f"manifest {path} says step {manifest.step}, but the directory is step {named}"
+        )
+    return manifest
 
 
 def crc32_file(path: Path, *, buffer: bytearray | None = None) -> tuple[int, int]:

@@ -7,6 +7,8 @@ action) killing a writer mid-write, and a small tmpfs (mounted here, as root) fo
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -85,3 +87,57 @@ def test_metadata_that_json_cannot_hold_is_refused_before_writing(
     with pytest.raises(CheckpointError, match="metadata"):
         mgr.save({"w": torch.ones(4)}, 1, metadata=metadata)  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
+
+
+# ---------------------------------------------------------------- 5. the manifest
+
+
+def _two_checkpoints(directory: Path) -> tuple[CheckpointManager, Path, bytes]:
+    mgr = CheckpointManager(directory, keep_last=None)
+    mgr.save({"w": torch.ones(8)}, 1, metadata={"epoch": 0})
+    mgr.save({"w": torch.zeros(8)}, 2, metadata={"epoch": 1})
+    manifest = directory / "step_2" / "manifest.json"
+    return mgr, manifest, manifest.read_bytes()
+
+
+@pytest.mark.parametrize("xor", [0x01, 0x20, 0x80])
+def test_any_changed_manifest_byte_is_skipped_with_a_warning_never_raised(
+    tmp_path: Path, xor: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    mgr, manifest, original = _two_checkpoints(tmp_path)
+    missed = []
+    for i in range(len(original)):
+        damaged = bytearray(original)
+        damaged[i] ^= xor
+        manifest.write_bytes(bytes(damaged))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="slurm_elastic.checkpoint"):
+            loaded = mgr.load_latest()  # must never raise
+        if loaded is None or loaded.step != 1 or "step_2" not in caplog.text:
+            missed.append((i, chr(original[i]), loaded.step if loaded else None))
+    assert not missed, f"byte changes not detected (offset, byte, loaded): {missed[:10]}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("step", 3),
+        ("world_size", 4),
+        ("metadata", {"epoch": 7}),
+        ("kind", "sharded"),
+        ("created", 1.0),
+        ("format_version", 1),
+        ("files", []),
+    ],
+)
+def test_every_manifest_field_is_covered(
+    tmp_path: Path, field: str, value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    mgr, manifest, original = _two_checkpoints(tmp_path)
+    raw = json.loads(original)
+    raw[field] = value  # a valid JSON manifest with one field changed
+    manifest.write_text(json.dumps(raw, indent=1, sort_keys=True))
+    with caplog.at_level(logging.WARNING, logger="slurm_elastic.checkpoint"):
+        loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 1
+    assert "step_2" in caplog.text and "manifest" in caplog.text
