@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,9 @@ import torch
 
 from slurm_elastic import events
 from slurm_elastic.checkpoint import _faults
-from slurm_elastic.checkpoint.manifest import Manifest, verify_checkpoint
+from slurm_elastic.checkpoint.manifest import Manifest
 from slurm_elastic.checkpoint.saver import AsyncSaver, CheckpointFlushTimeout
-from slurm_elastic.checkpoint.serializer import STATE_FILE, write_state
+from slurm_elastic.checkpoint.serializer import read_state, write_state
 from slurm_elastic.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -236,14 +235,17 @@ class CheckpointManager:
             action = "commit checkpoint"
             final = store.commit(tmp, manifest)
         except OSError as exc:
-            store.discard(tmp)
-            message = describe_os_error(exc, tmp, action)
+            leftover = store.discard(tmp)
+            message = describe_os_error(exc, tmp, action, leftover=leftover)
             log.error("%s", message)
             events.emit("checkpoint.failed", step=step, path=str(tmp), error=str(exc))
             raise CheckpointWriteError(message) from exc
         except CheckpointWriteError as exc:
             store.discard(tmp)
             events.emit("checkpoint.failed", step=step, path=str(tmp), error=str(exc))
+            raise
+        except BaseException:  # KeyboardInterrupt, SystemExit...: no partial leftovers
+            store.discard(tmp)
             raise
         seconds = time.perf_counter() - start
         self.last_saved = final
@@ -307,6 +309,7 @@ class CheckpointManager:
         distributed = dist.is_available() and dist.is_initialized()
         loaded: LoadedCheckpoint | None = None
         if not distributed or dist.get_rank() == 0:
+            self.store.recover()  # a re-save that died between its renames
             self.store.warn_incomplete()
             for info in reversed(self.list_checkpoints()):
                 try:
@@ -322,48 +325,26 @@ class CheckpointManager:
         return loaded
 
     def load(self, step: int, map_location: Any = "cpu", *, mmap: bool = False) -> LoadedCheckpoint:
-        """Load checkpoint ``step``, verifying every CRC32 while it is read.
+        """Load checkpoint ``step``; every byte is verified before ``torch.load`` reads it.
 
-        The CRC pass runs in a second thread next to ``torch.load``, so the data is read
-        from disk once (the other reader hits the page cache); a state whose file fails
-        verification is discarded, never returned.
+        The checkpoint directory, the manifest and the data file must be owned by this user
+        and not writable by others. The CRC32 pass reads the file once (the CRC overlapped
+        with the next read); ``torch.load`` then reads it from the page cache.
 
         Raises:
             CheckpointCorruptError: missing, incomplete or damaged.
+            UntrustedCheckpointError: not owned by this user, or writable by others.
             CheckpointError: not a replicated checkpoint, or not weights-only loadable.
         """
         path = self.store.step_path(step)
-        manifest = self.store.verify(step, deep=False)  # sizes: cheap, catches truncation
+        start = time.perf_counter()
+        manifest = self.store.verify(step, deep=True)  # before torch reads any of it
         if manifest.kind != "replicated":
             raise CheckpointError(
                 f"checkpoint {path} is {manifest.kind!r}; load it with "
                 "slurm_elastic.checkpoint.sharded.load_sharded"
             )
-        start = time.perf_counter()
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as pool:
-            verified = pool.submit(verify_checkpoint, path, deep=True)
-            load_error: Exception | None = None
-            state: Any = None
-            try:
-                state = torch.load(
-                    path / STATE_FILE,
-                    map_location=map_location,
-                    weights_only=self.weights_only,
-                    mmap=mmap,
-                )
-            except Exception as exc:
-                load_error = exc
-            verified.result()  # raises CheckpointCorruptError first: damage wins
-        if load_error is not None:
-            if self.weights_only and "weights_only" in str(load_error):
-                raise CheckpointError(
-                    f"checkpoint {path} holds objects outside torch's weights-only "
-                    "allowlist; pass weights_only=False to CheckpointManager if you trust "
-                    f"this directory ({load_error})"
-                ) from load_error
-            raise CheckpointCorruptError(
-                f"checkpoint {path} verified but torch.load failed: {load_error}"
-            ) from load_error
+        state = read_state(path, map_location, weights_only=self.weights_only, mmap=mmap)
         seconds = time.perf_counter() - start
         log.info("checkpoint step %d loaded from %s", step, path)
         events.emit("checkpoint.loaded", step=step, path=str(path), seconds=seconds)

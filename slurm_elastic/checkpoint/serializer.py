@@ -19,9 +19,9 @@ import torch
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import FileRecord
 from slurm_elastic.checkpoint.staging import state_nbytes
-from slurm_elastic.errors import CheckpointWriteError
+from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
-__all__ = ["STATE_FILE", "ChecksumWriter", "write_state"]
+__all__ = ["STATE_FILE", "ChecksumWriter", "read_state", "write_state"]
 
 STATE_FILE = "state.pt"
 
@@ -100,3 +100,26 @@ def write_state(state: Any, directory: Path) -> FileRecord:
     finally:
         writer.close()
     return FileRecord(STATE_FILE, writer.size, writer.crc)
+
+
+def read_state(directory: Path, map_location: Any, *, weights_only: bool, mmap: bool) -> Any:
+    """``torch.load`` the state file of a checkpoint the store has already verified.
+
+    Raises:
+        CheckpointError: it needs ``weights_only=False`` (never skipped silently: that
+            would restart training from scratch).
+        CheckpointCorruptError: it verified but ``torch.load`` failed.
+    """
+    path = directory / STATE_FILE
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except Exception as exc:
+        if weights_only and "weights_only" in str(exc):
+            raise CheckpointError(
+                f"checkpoint {directory} holds objects outside torch's weights-only "
+                "allowlist; pass weights_only=False to CheckpointManager if you trust "
+                f"this directory ({exc})"
+            ) from exc
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} verified but torch.load failed: {exc}"
+        ) from exc

@@ -1,12 +1,29 @@
 """The checkpoint store: the only code that touches a checkpoint directory (torch-free).
 
-It owns the names (``step_<N>/`` committed, ``.tmp-step_<N>-<id>/`` in progress,
-``.replaced-step_<N>-<id>/`` an old copy during a re-save), the commit (a directory rename),
-the listing, retention and verification. The serializer writes data files into the
-temporary directory that :meth:`CheckpointStore.begin` returns; the replicated
-(:mod:`~slurm_elastic.checkpoint.manager`) and sharded (:mod:`~slurm_elastic.checkpoint.sharded`)
-front ends use only this module's public API. The on-disk format and why it is safe:
-:mod:`slurm_elastic.checkpoint.manifest`.
+Names in a checkpoint directory::
+
+    step_<N>/                             a committed checkpoint (listed, loadable)
+    .tmp-step_<N>-<id>-<pid>@<host>/      a save in progress, or one that died
+    .replaced-step_<N>-<id>-<pid>@<host>/ the old copy while step N is saved again
+    .trash-step_<N>-<id>-<pid>@<host>/    a checkpoint being deleted by retention
+
+The store owns these names, the commit (a directory rename), the listing, retention and
+verification. The serializer writes data files into the temporary directory that
+:meth:`CheckpointStore.begin` returns; the replicated (:mod:`~slurm_elastic.checkpoint.manager`)
+and sharded (:mod:`~slurm_elastic.checkpoint.sharded`) front ends use only this module's
+public API. The on-disk format and why it is safe: :mod:`slurm_elastic.checkpoint.manifest`.
+
+Crash safety beyond the commit rename:
+
+* Leftovers name their writer (pid and host). Before each save, leftovers of *dead*
+  writers are removed (a writer on this host is dead when its pid is gone; on another host,
+  when nothing in its directory changed for :data:`STALE_AFTER_S`), so a killed save never
+  keeps a full disk full.
+* A re-save of step N moves the old copy aside, renames the new one in, then deletes the
+  old copy. If the writer dies between the two renames, :meth:`CheckpointStore.recover`
+  (run before each save and load) renames the complete old copy back.
+* Retention first renames ``step_<N>`` to a ``.trash-`` name, then deletes it: a listing
+  never shows a partly deleted checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +34,10 @@ import logging
 import math
 import operator
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +54,14 @@ from slurm_elastic.checkpoint.manifest import (
     verify_checkpoint,
     write_manifest,
 )
+from slurm_elastic.checkpoint.trust import check_private, make_private_dir
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
     "REPLACED_PREFIX",
+    "STALE_AFTER_S",
     "TMP_PREFIX",
+    "TRASH_PREFIX",
     "CheckpointInfo",
     "CheckpointStore",
     "checked_metadata",
@@ -50,6 +73,13 @@ log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-step_"
 REPLACED_PREFIX = ".replaced-step_"
+TRASH_PREFIX = ".trash-step_"
+#: A leftover of a writer on another host is stale when nothing in it changed for this long.
+STALE_AFTER_S = 900.0
+_LEFTOVER_RE = re.compile(
+    r"^\.(?P<kind>tmp|replaced|trash)-step_(?P<step>\d+)-[0-9a-f]{12}"
+    r"(?:-(?P<pid>\d+)@(?P<host>[^/]+))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -137,28 +167,64 @@ def checked_metadata(metadata: object) -> dict[str, Any]:
     return dict(metadata)
 
 
-def describe_os_error(exc: OSError, path: Path, action: str) -> str:
-    """Return a message naming the path, the cause and the fix for a failed write."""
+def describe_os_error(
+    exc: OSError, path: Path, action: str, *, leftover: Path | None = None
+) -> str:
+    """Return a message naming the path, the cause and the fix for a failed write.
+
+    ``leftover``: a temporary that could not be removed; the message names it.
+    """
     code = exc.errno
     if code in (errno.ENOSPC, errno.EDQUOT):
         hint = (
-            "no space left (or quota exceeded): free space, lower keep_last, or point "
-            "the checkpoint directory at a larger filesystem"
+            "no space left on the filesystem (or quota exceeded): free space there (for "
+            "example remove old step_* checkpoints you no longer need) or point the "
+            "checkpoint directory at a larger filesystem"
         )
+        try:
+            vfs = os.statvfs(path.parent)
+            hint += f"; {vfs.f_bavail * vfs.f_frsize} bytes are free"
+        except OSError:
+            pass
     elif code in (errno.EACCES, errno.EPERM):
         hint = "permission denied: make the directory writable by this user"
     elif code == errno.EROFS:
         hint = "the filesystem is mounted read-only: choose a writable checkpoint directory"
     else:
         hint = os.strerror(code) if code else str(exc)
-    return f"cannot {action} {path}: {hint} ({exc}); previous checkpoints are intact"
+    message = f"cannot {action} {path}: {hint} ({exc}); previous checkpoints are intact"
+    if leftover is not None:
+        message += f"; the partial temporary {leftover} could not be removed: remove it by hand"
+    return message
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a directory file by file (crash point ``mid_retention`` after the first)."""
+    for n, entry in enumerate(sorted(os.scandir(path), key=lambda e: e.name)):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+        if n == 0:
+            _faults.point("mid_retention")
+    os.rmdir(path)
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.lstat().st_mtime
+    for entry in os.scandir(path):
+        try:
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except FileNotFoundError:
+            continue
+    return newest
 
 
 class CheckpointStore:
     """One run's checkpoint directory: temporary names, commit, listing, retention, verify.
 
     Args:
-        directory: where ``step_<N>/`` directories live (created by :meth:`begin`).
+        directory: where ``step_<N>/`` directories live (created ``0700`` by :meth:`begin`).
         keep_last: keep this many newest checkpoints (``None``: keep all).
         keep_every: additionally keep every checkpoint whose step is a multiple of this.
 
@@ -180,28 +246,138 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self._host = socket.gethostname()
+        self._active: set[str] = set()  # our own in-flight temporaries (never stale)
 
     def step_path(self, step: int) -> Path:
         """The committed directory of ``step`` (it may not exist)."""
         return self.directory / step_dir_name(step)
 
+    def _name(self, prefix: str, step: int) -> str:
+        return f"{prefix}{step}-{uuid.uuid4().hex[:12]}-{os.getpid()}@{self._host}"
+
+    # ------------------------------------------------------------------ leftovers
+    def _entries(self) -> builtins.list[str]:
+        try:
+            return os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                check_private(self.directory, directory=True, follow=True)  # clear message
+            raise
+
+    def _writer_dead(self, name: str) -> bool:
+        match = _LEFTOVER_RE.match(name)
+        if match is None:
+            return False
+        pid, host = match.group("pid"), match.group("host")
+        if pid is not None and host == self._host:
+            if int(pid) == os.getpid():
+                return name not in self._active
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            return False
+        try:  # another host (or an older name without a writer): judge by activity
+            return time.time() - _newest_mtime(self.directory / name) > STALE_AFTER_S
+        except OSError:
+            return False
+
+    def leftovers(self) -> builtins.list[Path]:
+        """Every ``.tmp-``, ``.replaced-`` and ``.trash-`` entry (live or dead writers)."""
+        prefixes = (TMP_PREFIX, REPLACED_PREFIX, TRASH_PREFIX)
+        return sorted(self.directory / n for n in self._entries() if n.startswith(prefixes))
+
+    def incomplete(self) -> builtins.list[Path]:
+        """Leftovers of interrupted saves (``.tmp-step_*``, ``.replaced-step_*``)."""
+        return [p for p in self.leftovers() if not p.name.startswith(TRASH_PREFIX)]
+
+    def warn_incomplete(self) -> None:
+        """Log a WARNING naming each leftover of an interrupted save (they are never loaded)."""
+        for leftover in self.incomplete():
+            log.warning("ignoring %s: an interrupted checkpoint save (never committed)", leftover)
+
+    def recover(self) -> builtins.list[int]:
+        """Rename back the old copy of a re-save whose writer died between its two renames.
+
+        Returns:
+            The steps recovered.
+        """
+        recovered = []
+        for path in self.leftovers():
+            match = _LEFTOVER_RE.match(path.name)
+            if match is None or match.group("kind") != "replaced":
+                continue
+            step = int(match.group("step"))
+            final = self.step_path(step)
+            if final.exists() or not self._writer_dead(path.name):
+                continue
+            try:
+                read_manifest(path)  # a committed copy: it has its manifest
+                os.rename(path, final)
+                fsync_dir(self.directory)
+            except (OSError, CheckpointCorruptError) as exc:
+                log.warning("cannot recover checkpoint step %d from %s: %s", step, path, exc)
+                continue
+            log.warning(
+                "recovered checkpoint %s from %s (a re-save of step %d died between its "
+                "two renames)",
+                final,
+                path,
+                step,
+            )
+            recovered.append(step)
+        return recovered
+
+    def remove_stale(self) -> builtins.list[Path]:
+        """Remove leftovers of dead writers (after :meth:`recover`); return those that stay.
+
+        Run before writing, so that a save that died never keeps a full disk full.
+        """
+        self.recover()
+        remaining = []
+        for path in self.leftovers():
+            if not self._writer_dead(path.name):
+                remaining.append(path)
+                continue
+            if not path.name.startswith(TRASH_PREFIX):
+                log.warning("removing %s, left by an interrupted checkpoint save", path)
+            try:
+                shutil.rmtree(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", path, exc)
+                remaining.append(path)
+        return remaining
+
     # ------------------------------------------------------------------ write
     def begin(self, step: int) -> Path:
-        """Create and return a fresh temporary directory for a save of ``step``.
+        """Create and return a fresh private temporary directory for a save of ``step``.
+
+        First creates the checkpoint directory (``0700``) if needed, recovers interrupted
+        re-saves and removes leftovers of dead writers.
 
         Raises:
+            UntrustedCheckpointError: the directory is not ours or writable by others.
             OSError: the directory cannot be created (the caller words the error).
         """
-        tmp = self.directory / f"{TMP_PREFIX}{step}-{uuid.uuid4().hex[:12]}"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        os.mkdir(tmp, 0o755)
+        make_private_dir(self.directory)
+        self.remove_stale()
+        tmp = self.directory / self._name(TMP_PREFIX, step)
+        os.mkdir(tmp, 0o700)
+        self._active.add(tmp.name)
         return tmp
 
     def commit(self, tmp: Path, manifest: Manifest) -> Path:
         """Write ``manifest`` into ``tmp`` durably and rename ``tmp`` to ``step_<N>``.
 
-        Saving a step that exists moves the old copy aside first, so that a crash in
-        between leaves one complete copy.
+        Saving a step that exists moves the old copy aside first; :meth:`recover` restores
+        it if the writer dies before the new copy is renamed in.
 
         Raises:
             OSError: the manifest or the rename failed (``tmp`` is left for :meth:`discard`).
@@ -212,7 +388,7 @@ class CheckpointStore:
         _faults.point("before_commit")
         final = self.step_path(manifest.step)
         if final.exists():
-            aside = self.directory / f"{REPLACED_PREFIX}{manifest.step}-{uuid.uuid4().hex[:12]}"
+            aside = self.directory / self._name(REPLACED_PREFIX, manifest.step)
             log.warning("checkpoint %s exists; replacing it (old copy: %s)", final, aside)
             os.rename(final, aside)
             _faults.point("between_renames")
@@ -222,31 +398,36 @@ class CheckpointStore:
         else:
             os.rename(tmp, final)
             fsync_dir(self.directory)
+        self._active.discard(tmp.name)
         _faults.point("after_commit")
         return final
 
-    def discard(self, tmp: Path) -> None:
-        """Remove a temporary directory of a failed save (best effort)."""
+    def discard(self, tmp: Path) -> Path | None:
+        """Remove the temporary directory of a failed save.
+
+        Returns:
+            ``tmp`` if it could not be removed (for the error message), else ``None``.
+        """
+        self._active.discard(tmp.name)
         try:
             shutil.rmtree(tmp)
         except FileNotFoundError:
             pass
-        except OSError as exc:  # e.g. read-only: nothing was created anyway
-            log.debug("could not remove %s: %s", tmp, exc)
+        except OSError as exc:
+            if tmp.exists():
+                log.warning("cannot remove the partial checkpoint %s: %s", tmp, exc)
+                return tmp
+        return None
 
     # ------------------------------------------------------------------ list / retention
     def list_checkpoints(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first (damaged ones have ``manifest=None``)."""
         infos: builtins.list[CheckpointInfo] = []
-        try:
-            entries = builtins.list(os.scandir(self.directory))
-        except FileNotFoundError:
-            return infos
-        for entry in entries:
-            step = parse_step_dir(entry.name)
-            if step is None or not entry.is_dir():
+        for name in self._entries():
+            step = parse_step_dir(name)
+            path = self.directory / name
+            if step is None or not path.is_dir():
                 continue
-            path = Path(entry.path)
             try:
                 manifest: Manifest | None = read_manifest(path)
             except CheckpointCorruptError:
@@ -255,27 +436,13 @@ class CheckpointStore:
         infos.sort(key=lambda i: i.step)
         return infos
 
-    def incomplete(self) -> builtins.list[Path]:
-        """Leftovers of interrupted saves (``.tmp-step_*``, ``.replaced-step_*``)."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        return sorted(
-            self.directory / n for n in names if n.startswith((TMP_PREFIX, REPLACED_PREFIX))
-        )
-
-    def warn_incomplete(self) -> None:
-        """Log a WARNING naming each leftover of an interrupted save (they are never loaded)."""
-        for leftover in self.incomplete():
-            log.warning("ignoring %s: an interrupted checkpoint save (never committed)", leftover)
-
     def apply_retention(self, just_saved: int) -> None:
         """Delete old checkpoints; never one at or after ``just_saved`` (verified by
-        construction, so the newest verified checkpoint is never touched)."""
-        for leftover in self.incomplete():
-            log.warning("removing %s, left by an interrupted checkpoint save", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
+        construction, so the newest verified checkpoint is never touched).
+
+        Each is first renamed to a ``.trash-`` name (atomic: it leaves the listing whole),
+        then deleted.
+        """
         if self.keep_last is None:
             return
         infos = self.list_checkpoints()
@@ -287,8 +454,11 @@ class CheckpointStore:
             if info.step in keep:
                 continue
             log.info("retention: removing old checkpoint %s", info.path)
+            trash = self.directory / self._name(TRASH_PREFIX, info.step)
             try:
-                shutil.rmtree(info.path)
+                os.rename(info.path, trash)
+                fsync_dir(self.directory)
+                _remove_tree(trash)
             except OSError as exc:
                 log.warning("retention could not remove %s: %s", info.path, exc)
             events.emit("checkpoint.removed", step=info.step, path=str(info.path))
@@ -297,13 +467,21 @@ class CheckpointStore:
     def verify(self, step: int, *, deep: bool = True) -> Manifest:
         """Verify committed checkpoint ``step`` (sizes; with ``deep`` every CRC32 too).
 
+        Also checks that the directory, the manifest and every data file are owned by this
+        user and not writable by others (nothing else is ever read).
+
         Raises:
             CheckpointCorruptError: missing, incomplete or damaged (naming what).
+            UntrustedCheckpointError: a path is not ours or writable by others.
         """
         path = self.step_path(step)
-        if not path.is_dir():
-            raise CheckpointCorruptError(f"checkpoint {path} does not exist")
-        return verify_checkpoint(path, deep=deep)
+        try:
+            check_private(self.directory, directory=True, follow=True)
+            check_private(path, directory=True)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"checkpoint {path} does not exist") from exc
+        manifest = verify_checkpoint(path, deep=deep, check=_check_file)
+        return manifest
 
     def report_damaged(self, info: CheckpointInfo, exc: Exception) -> None:
         """Log (WARNING) and emit that a damaged checkpoint is skipped (it is never deleted)."""
@@ -312,7 +490,12 @@ class CheckpointStore:
 
     def latest_verified(self, *, deep: bool = True) -> CheckpointInfo | None:
         """The newest committed checkpoint that verifies; damaged ones are skipped with a
-        WARNING naming them (and never deleted)."""
+        WARNING naming them (and never deleted). Recovers interrupted re-saves first.
+
+        Raises:
+            UntrustedCheckpointError: a checkpoint is not ours or writable by others.
+        """
+        self.recover()
         self.warn_incomplete()
         for info in reversed(self.list_checkpoints()):
             try:
@@ -322,3 +505,10 @@ class CheckpointStore:
                 continue
             return CheckpointInfo(info.step, info.path, manifest)
         return None
+
+
+def _check_file(path: Path) -> None:
+    try:
+        check_private(path, directory=False)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing") from exc

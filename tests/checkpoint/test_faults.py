@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,9 @@ import pytest
 import torch
 
 from slurm_elastic.checkpoint.manager import CheckpointManager
+from slurm_elastic.checkpoint.manifest import verify_checkpoint
 from slurm_elastic.errors import CheckpointError
+from tests.helpers import wait_for
 
 # ---------------------------------------------------------------- 1. staging keys
 
@@ -141,3 +146,59 @@ def test_every_manifest_field_is_covered(
         loaded = mgr.load_latest()
     assert loaded is not None and loaded.step == 1
     assert "step_2" in caplog.text and "manifest" in caplog.text
+
+
+# ---------------------------------------------------------------- 4, 6: SIGKILL at a point
+
+CHILD = Path(__file__).with_name("save_child.py")
+
+
+def kill_child_at(directory: Path, point: str, mode: str, tmp_path: Path) -> None:
+    """Run save_child.py until it blocks at ``point``, then SIGKILL it there."""
+    marker = tmp_path / f"reached-{point}-{mode}"
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), str(directory), point, mode, str(marker)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        wait_for(lambda: marker.exists() or child.poll() is not None, 120, f"child at {point}")
+        assert child.poll() is None, f"child exited early with {child.returncode}"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=60)
+
+
+def child_state(step: int) -> torch.Tensor:
+    return torch.randn(2048, 1024, generator=torch.Generator().manual_seed(step))
+
+
+def test_resave_killed_between_the_two_renames_recovers_the_complete_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "ckpt"
+    kill_child_at(directory, "between_renames", "resave", tmp_path)
+    assert not (directory / "step_2").exists()  # the crash window: step 2 is invisible
+    mgr = CheckpointManager(directory)
+    with caplog.at_level(logging.WARNING, logger="slurm_elastic.checkpoint"):
+        loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 2, "step 2 was lost"
+    assert torch.equal(loaded.state["w"], child_state(2))
+    assert "recover" in caplog.text
+    mgr.save({"w": torch.ones(4)}, 3)  # the next save does not delete it either
+    assert [i.step for i in mgr.list_checkpoints()] == [1, 2, 3]
+    assert mgr.incomplete() == []
+
+
+def test_kill_during_a_retention_delete_never_lists_a_partial_checkpoint(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    kill_child_at(directory, "mid_retention", "retention", tmp_path)
+    mgr = CheckpointManager(directory, keep_last=1)
+    infos = mgr.list_checkpoints()
+    assert [i.step for i in infos] == [2]
+    for info in infos:
+        verify_checkpoint(info.path)  # every listed checkpoint is complete
+    mgr.save({"w": torch.ones(4)}, 3)  # and the half-deleted leftover is cleaned up
+    assert sorted(os.listdir(directory)) == ["step_3"]
