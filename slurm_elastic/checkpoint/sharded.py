@@ -12,18 +12,22 @@ Both calls are collective: every rank must call them, with a process group initi
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from slurm_elastic import events
 from slurm_elastic.checkpoint.manager import CheckpointManager
-from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file, verify_checkpoint
+from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
 from slurm_elastic.checkpoint.store import checked_metadata, checked_step, describe_os_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
@@ -45,6 +49,55 @@ def _require_pg() -> tuple[int, int]:
             "torch.distributed.init_process_group first (or use CheckpointManager.save)"
         )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` inside ``exc`` (DCP's per-rank failures, causes, contexts)."""
+    stack, seen = [exc], set()
+    while stack:
+        err = stack.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        if isinstance(err, CheckpointException):
+            for failure in err.failures.values():
+                stack.append(failure[0] if isinstance(failure, tuple) else failure)
+        stack += [e for e in (err.__cause__, err.__context__) if e is not None]
+    return None
+
+
+def _full_disk(tmp: Path, state_dict: dict[str, Any]) -> OSError | None:
+    """An ENOSPC error if ``tmp``'s filesystem has less room than this rank's shard.
+
+    torch's zip writer turns a failed write into ``RuntimeError("unexpected pos ...")``,
+    losing the ``OSError``; the free space tells what happened.
+    """
+    try:
+        vfs = os.statvfs(tmp.parent)
+    except OSError:
+        return None
+    free = vfs.f_bavail * vfs.f_frsize
+    local = sum(
+        t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+        for t in state_dict.values()
+        if isinstance(t, torch.Tensor)
+    )
+    if free < max(local, 1 << 20):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+    return None
+
+
+def _summary(exc: BaseException) -> str:
+    """One line per failed rank (DCP's CheckpointException carries whole tracebacks)."""
+    if isinstance(exc, CheckpointException):
+        parts = []
+        for rank, failure in sorted(exc.failures.items()):
+            err = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(err).__name__}: {err}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def save_sharded(
@@ -70,25 +123,35 @@ def save_sharded(
     tmp_name: str | None = None
     if rank == 0:
         try:
-            tmp_name = store.begin(step).name
+            tmp_name = store.begin(step).name  # 0700; dead writers' leftovers removed first
         except OSError as exc:
             error = describe_os_error(exc, store.directory, "create sharded checkpoint in")
+        except CheckpointError as exc:
+            error = str(exc)
     tmp_name = _broadcast(tmp_name)
     tmp = store.directory / (tmp_name or "(not created)")
     try:
         if tmp_name is not None:
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except OSError as exc:
-        error = describe_os_error(exc, tmp, "write sharded checkpoint")
-    except Exception as exc:  # DCP wraps per-rank failures in CheckpointException
-        error = f"cannot write sharded checkpoint {tmp}: {exc}; previous checkpoints are intact"
+    except (Exception, CheckpointException) as exc:
+        # DCP wraps per-rank failures (ENOSPC included) in CheckpointException, a
+        # BaseException that ``except Exception`` would miss.
+        cause = _os_error_in(exc) or _full_disk(tmp, state_dict)
+        if cause is not None:
+            error = describe_os_error(cause, tmp, "write sharded checkpoint")
+        else:
+            error = (
+                f"cannot write sharded checkpoint {tmp}: {_summary(exc)}; previous "
+                "checkpoints are intact"
+            )
     final: Path | None = None
     manifest: Manifest | None = None
     if rank == 0 and error is None:
         try:
-            files = tuple(
-                FileRecord(p.name, *crc32_file(p)) for p in sorted(tmp.iterdir()) if p.is_file()
-            )
+            paths = [p for p in sorted(tmp.iterdir()) if p.is_file()]
+            for p in paths:
+                os.chmod(p, 0o600)  # DCP creates files with the umask's mode
+            files = tuple(FileRecord(p.name, *crc32_file(p)) for p in paths)
             manifest = Manifest(step, "sharded", world, files, metadata=meta)
             final = store.commit(tmp, manifest)
         except OSError as exc:
@@ -97,9 +160,13 @@ def save_sharded(
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first is not None:
-        if rank == 0:
-            store.discard(tmp)
+        leftover = None
+        if rank == 0 and tmp_name is not None:
+            leftover = store.discard(tmp)
             events.emit("checkpoint.failed", step=step, path=str(tmp), error=first)
+        leftover = _broadcast(str(leftover) if leftover else None)
+        if leftover:
+            first += f"; the partial temporary {leftover} could not be removed: remove it by hand"
         raise CheckpointWriteError(first)
     path = store.step_path(step)
     if rank == 0 and final is not None and manifest is not None:
@@ -132,29 +199,42 @@ def load_sharded(
         The manifest of the loaded checkpoint, or ``None`` if there is none.
 
     Raises:
-        CheckpointCorruptError: the requested ``step`` is damaged.
+        CheckpointCorruptError: the requested ``step`` is damaged (all ranks raise).
+        UntrustedCheckpointError: a checkpoint path is not owned by this user or is
+            writable by others (all ranks raise; nothing was unpickled).
     """
     rank, _ = _require_pg()
-    chosen: str | None = None
+    store = manager.store
+    chosen: int | None = None
+    failure: CheckpointError | None = None
     if rank == 0:
-        infos = [i for i in manager.list_checkpoints() if step is None or i.step == step]
-        for info in reversed(infos):
-            try:
-                manifest = verify_checkpoint(info.path)
-            except CheckpointCorruptError as exc:
-                if step is not None:
-                    raise
-                manager.store.report_damaged(info, exc)
-                continue
-            if manifest.kind == "sharded":
-                chosen = str(info.path)
-                break
-    chosen = _broadcast(chosen)
+        try:
+            store.recover()
+            store.warn_incomplete()
+            infos = [i for i in store.list_checkpoints() if step is None or i.step == step]
+            for info in reversed(infos):
+                try:
+                    # every file (DCP's pickled .metadata included): owner, mode, CRC32,
+                    # before torch reads any of it
+                    manifest = store.verify(info.step, deep=True)
+                except CheckpointCorruptError as exc:
+                    if step is not None:
+                        raise
+                    store.report_damaged(info, exc)
+                    continue
+                if manifest.kind == "sharded":
+                    chosen = info.step
+                    break
+        except CheckpointError as exc:
+            failure = exc
+    chosen, failure = _broadcast((chosen, failure))
+    if failure is not None:
+        raise failure
     if chosen is None:
         return None
-    path = Path(chosen)
+    manifest = store.verify(chosen, deep=False)  # every rank: owner and mode, sizes
+    path = store.step_path(chosen)
     dcp.load(state_dict, checkpoint_id=path)
-    manifest = verify_checkpoint(path, deep=False)
     log.info("sharded checkpoint step %d loaded from %s", manifest.step, path)
     events.emit("checkpoint.loaded", step=manifest.step, path=str(path), kind="sharded")
     return manifest

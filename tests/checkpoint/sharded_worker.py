@@ -1,9 +1,12 @@
 """One rank of a DCP sharded save/load job (run as a script, not collected).
 
-Usage: sharded_worker.py save|load INIT_FILE CKPT_DIR
+Usage: sharded_worker.py save|load|enospc|refused INIT_FILE CKPT_DIR
 A 12x4 tensor sharded by rows over all ranks (DTensor, Shard(0)) plus a replicated tensor.
 ``save`` writes step 5; ``load`` loads it into a *fresh* DTensor sharded over the current
-world size and checks the full tensor.
+world size and checks the full tensor. ``enospc`` saves step 1, then a state too large for
+the (small) filesystem as step 2, and checks that every rank gets our
+``CheckpointWriteError`` and nothing is left behind. ``refused`` expects the load to be
+refused as untrusted on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.checkpoint.sharded import load_sharded, save_sharded
+from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
+from slurm_elastic.errors import CheckpointWriteError
 
 
 def main() -> None:
@@ -28,7 +33,27 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(48, dtype=torch.float32).reshape(12, 4)
     manager = CheckpointManager(ckpt)
-    if mode == "save":
+    if mode == "enospc":
+        save_sharded(manager, {"w": distribute_tensor(full, mesh, [Shard(0)])}, 1)
+        big = torch.zeros(world * (1 << 20), 4)  # 16 MiB in all: more than the filesystem
+        try:
+            save_sharded(manager, {"w": distribute_tensor(big, mesh, [Shard(0)])}, 2)
+        except CheckpointWriteError as exc:
+            print(f"rank {rank} WRITE_ERROR {exc}")
+        else:
+            raise SystemExit("the oversized save did not fail")
+        dist.barrier()
+        assert manager.incomplete() == [], manager.incomplete()
+        assert [i.step for i in manager.list_checkpoints()] == [1]
+    elif mode == "refused":
+        state = {"w": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]), "b": torch.zeros(3)}
+        try:
+            load_sharded(manager, state)
+        except UntrustedCheckpointError as exc:
+            print(f"rank {rank} REFUSED {exc}")
+        else:
+            raise SystemExit("the untrusted checkpoint was loaded")
+    elif mode == "save":
         state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3)}
         path = save_sharded(manager, state, 5, metadata={"epoch": 1})
         assert path.name == "step_5", path

@@ -21,7 +21,7 @@ import torch
 
 from slurm_elastic.checkpoint.manager import CheckpointManager
 from slurm_elastic.checkpoint.manifest import verify_checkpoint
-from slurm_elastic.errors import CheckpointError
+from slurm_elastic.errors import CheckpointError, CheckpointWriteError
 from tests.helpers import wait_for
 
 # ---------------------------------------------------------------- 1. staging keys
@@ -202,3 +202,43 @@ def test_kill_during_a_retention_delete_never_lists_a_partial_checkpoint(tmp_pat
         verify_checkpoint(info.path)  # every listed checkpoint is complete
     mgr.save({"w": torch.ones(4)}, 3)  # and the half-deleted leftover is cleaned up
     assert sorted(os.listdir(directory)) == ["step_3"]
+
+
+# ---------------------------------------------------------------- 3. a full disk
+
+
+def test_a_save_killed_mid_write_does_not_keep_the_disk_full(
+    small_fs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer dies mid-write (RLIMIT_FSIZE, SIGXFSZ at its default action) and leaves a
+    5 MiB temporary on an 8 MiB filesystem; the next save must still fit."""
+    directory = small_fs / "ckpt"
+    child = subprocess.run(
+        [sys.executable, str(CHILD), str(directory), "-", "fsize", str(tmp_path / "m")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGXFSZ, child.stderr
+    mgr = CheckpointManager(directory)
+    (leftover,) = mgr.incomplete()
+    assert leftover.name.startswith(".tmp-step_2")
+    state = {"w": torch.randn(6 << 18)}  # 6 MiB: fits only once the leftover is gone
+    with caplog.at_level(logging.WARNING, logger="slurm_elastic.checkpoint"):
+        assert mgr.save(state, 2) == directory / "step_2"
+    assert str(leftover) in caplog.text and not leftover.exists()
+    loaded = mgr.load_latest()
+    assert loaded is not None and loaded.step == 2 and torch.equal(loaded.state["w"], state["w"])
+
+
+def test_enospc_message_names_the_temporary_and_no_useless_fix(small_fs: Path) -> None:
+    mgr = CheckpointManager(small_fs / "ckpt", keep_last=1)
+    mgr.save({"w": torch.zeros(1 << 18)}, 1)  # 1 MiB
+    with pytest.raises(CheckpointWriteError) as info:
+        mgr.save({"w": torch.zeros(2 << 20)}, 2)  # 8 MiB
+    message = str(info.value)
+    assert "no space left" in message and ".tmp-step_2" in message
+    assert "keep_last" not in message  # retention runs after a save: it cannot help here
+    assert "bytes are free" in message
+    assert mgr.incomplete() == [] and [i.step for i in mgr.list_checkpoints()] == [1]

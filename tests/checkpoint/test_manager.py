@@ -5,7 +5,6 @@ Real files, real processes (SIGKILL), real tmpfs mounts for ENOSPC / read-only.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -215,33 +214,6 @@ def test_sigkill_after_commit_keeps_the_new_checkpoint(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- ENOSPC / read-only
-
-
-def _mount_tmpfs(path: Path, size: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip(reason="mounting a tmpfs needs root (ENOSPC / read-only tests)")
-    path.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if res.returncode != 0:
-        pytest.skip(reason=f"cannot mount a tmpfs here: {res.stderr.strip()}")
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    _mount_tmpfs(mnt, "8m")
-    try:
-        yield mnt
-    finally:
-        gc.collect()  # loaded checkpoints are mmapped: drop them before unmounting
-        res = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
-        if res.returncode != 0:  # still busy: detach now, freed when the last map goes
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def test_enospc_raises_a_clear_error_and_keeps_the_previous_checkpoint(small_fs: Path) -> None:
