@@ -31,7 +31,7 @@ class ChecksumWriter:
 
     def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self.crc = 0
         self.size = 0
         self.error: OSError | None = None

@@ -13,6 +13,9 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import os
+import pickle
+import stat
 import subprocess
 import time
 from collections.abc import Sequence
@@ -40,6 +43,25 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def load_private_pickle(path: Path) -> Any:
+    """Unpickle ``path`` only if it is a regular file owned by this user, not writable by
+    others (the same rule as checkpoints: a pickle another user can write runs their code).
+
+    Raises:
+        PermissionError: naming the path, its owner and mode.
+        OSError: it cannot be opened (a symbolic link is refused).
+    """
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(
+                f"refusing to unpickle {path}: owned by uid {st.st_uid} (this user: "
+                f"{os.geteuid()}), mode {stat.filemode(st.st_mode)}; only files this user "
+                "owns and others cannot write are read"
+            )
+        return pickle.load(fh)
 
 
 class JobTimeoutError(SlurmElasticError, TimeoutError):
@@ -287,9 +309,10 @@ class SlurmJob(JobHandle):
         if not path.exists():
             return JobState.UNKNOWN
         try:
-            import submitit
-
-            outcome = submitit.core.utils.pickle_load(path)[0]
+            outcome = load_private_pickle(path)[0]
+        except PermissionError as exc:  # another user's (or a group-writable) pickle
+            log.warning("%s", exc)
+            return JobState.UNKNOWN
         except Exception as exc:  # a torn or foreign pickle: we cannot tell
             log.debug("unreadable result file %s: %s", path, exc)
             return JobState.UNKNOWN
