@@ -23,6 +23,12 @@ Contract (what a ``train.py`` relies on):
   (default: fixed global batch via per-rank shares + gradient accumulation).
 * :mod:`slurm_elastic.checkpoint.sharded`: FSDP/DTensor state through
   ``torch.distributed.checkpoint`` (reshards on load), same commit protocol.
+* Loads read only paths owned by this user and not writable by others
+  (:class:`UntrustedCheckpointError` otherwise), each verified before torch reads it.
+
+Parts: ``store`` (torch-free: names, commit, listing, retention, verification; the only
+code touching the directory) ← ``serializer`` ← ``saver`` (async) ← the front ends
+``manager`` (replicated) and ``sharded``.
 """
 
 from slurm_elastic.checkpoint.bundle import (
@@ -41,6 +47,7 @@ from slurm_elastic.checkpoint.manager import (
 )
 from slurm_elastic.checkpoint.policy import BatchPlan, loss_scale, micro_batches, plan_batches
 from slurm_elastic.checkpoint.sampler import ElasticSampler, StepSlice
+from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -52,6 +59,7 @@ __all__ = [
     "LoadedCheckpoint",
     "ResumeInfo",
     "StepSlice",
+    "UntrustedCheckpointError",
     "capture_rng",
     "loss_scale",
     "micro_batches",

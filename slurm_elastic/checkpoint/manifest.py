@@ -4,7 +4,9 @@ Layout under a checkpoint directory ``<dir>``::
 
     <dir>/step_<N>/manifest.json      the commit record, written last
     <dir>/step_<N>/<data files>       state.pt (replicated) or DCP files (sharded)
-    <dir>/.tmp-step_<N>-<uuid>/       a save in progress (or one killed mid-way)
+    <dir>/.tmp-step_<N>-<id>-<pid>@<host>/   a save in progress (or one killed mid-way)
+
+(the other leftover names are described in :mod:`slurm_elastic.checkpoint.store`).
 
 A save writes everything into ``.tmp-step_<N>-<uuid>/`` (data, then the manifest), fsyncs
 each file and the directory, and then renames the directory to ``step_<N>`` and fsyncs
@@ -19,24 +21,29 @@ each file and the directory, and then renames the directory to ``step_<N>`` and 
   committed checkpoint that was later truncated or bit-flipped (a torn copy, a failing
   OST) is detected on load. Commit = rename; integrity = manifest.
 
-Only ``rename``, ``fsync`` and ``mkdir`` are relied upon: no ``flock`` (unsafe on
-Lustre with ``localflock``), no hard links, no ``O_EXCL``.
+Only ``rename``, ``fsync`` and ``mkdir`` are relied upon for the commit: no ``flock``
+(unsafe on Lustre with ``localflock``), no hard links.
+
+The manifest protects itself: ``manifest_crc32`` covers every other field, the text must be
+exactly the canonical form we wrote, and every field is type-checked, so any damage reads
+as :class:`~slurm_elastic.errors.CheckpointCorruptError` ("skip it"), never as a crash.
 
 CRC32 (``zlib.crc32``) was chosen over BLAKE2b because it runs at ~3 GB/s here against
 ~0.6 GB/s, so it is computed inline while writing without lowering save bandwidth; it
-detects truncation and bit flips, which is its job (it is not a defence against tampering).
+detects truncation and bit flips, which is its job (it is not a defence against tampering:
+that is the ownership rule of :mod:`slurm_elastic.checkpoint.trust`).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import stat
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,31 +298,34 @@ def read_manifest(directory: Path) -> Manifest:
 
 
 def crc32_file(path: Path, *, buffer: bytearray | None = None) -> tuple[int, int]:
-    """Return ``(size, crc32)`` of a file, read once sequentially.
+    """Return ``(size, crc32)`` of a file, read once, through a read-only mapping.
 
-    Two buffers alternate: a helper thread reads the next chunk while this thread CRCs the
-    current one (both release the GIL), so the pass runs at the disk's read speed.
-    ``buffer`` is accepted for compatibility and ignored.
+    The file is mapped and CRCed in 8 MiB chunks; before each chunk the next one is
+    requested with ``MADV_WILLNEED``, so the kernel reads ahead while this thread computes
+    (the pass runs at the disk's speed, with no copy into a user buffer). The pages stay
+    in the page cache, where ``torch.load`` finds them. ``buffer`` is ignored (kept for
+    compatibility). A symbolic link is refused.
     """
     del buffer
-    bufs = [bytearray(_CHUNK), bytearray(_CHUNK)]
-    crc = 0
-    size = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        with suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
-            pending = pool.submit(os.readv, fd, [bufs[0]])
-            i = 0
-            while True:
-                n = pending.result()
-                if not n:
-                    break
-                pending = pool.submit(os.readv, fd, [bufs[1 - i]])
-                crc = zlib.crc32(memoryview(bufs[i])[:n], crc)
-                size += n
-                i = 1 - i
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0, 0
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            with suppress(OSError, AttributeError):
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(mm)
+            try:
+                crc = 0
+                for start in range(0, size, _CHUNK):
+                    ahead = start + _CHUNK
+                    if ahead < size:
+                        with suppress(OSError, AttributeError):
+                            mm.madvise(mmap.MADV_WILLNEED, ahead, min(_CHUNK, size - ahead))
+                    crc = zlib.crc32(view[start : start + _CHUNK], crc)
+            finally:
+                view.release()
     finally:
         os.close(fd)
     return size, crc

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,16 @@ __all__ = ["STATE_FILE", "ChecksumWriter", "read_state", "write_state"]
 STATE_FILE = "state.pt"
 
 
+_OVERLAP_BYTES = 1 << 20
+
+
 class ChecksumWriter:
-    """A write-only file object that CRCs what it writes; handed to ``torch.save``."""
+    """A write-only file object that CRCs what it writes; handed to ``torch.save``.
+
+    For large writes (tensor storages) the CRC runs in this thread while a helper thread
+    writes the same bytes (``zlib.crc32`` and ``os.write`` both release the GIL), so the
+    checksum costs no extra wall time when the disk is the limit.
+    """
 
     def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None) -> None:
         self.path = path
@@ -36,14 +45,25 @@ class ChecksumWriter:
         self.size = 0
         self.error: OSError | None = None
         self._on_bytes = on_bytes
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self.fd, view) :]
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        self.crc = zlib.crc32(view, self.crc)
         try:
-            while view:
-                view = view[os.write(self.fd, view) :]
+            if n >= _OVERLAP_BYTES:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
+                written = self._pool.submit(self._write_all, view)
+                self.crc = zlib.crc32(view, self.crc)
+                written.result()
+            else:
+                self.crc = zlib.crc32(view, self.crc)
+                self._write_all(view)
         except OSError as exc:
             self.error = exc  # torch may wrap it; keep the original for the message
             raise
@@ -62,6 +82,9 @@ class ChecksumWriter:
             self.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -21,7 +21,9 @@ buffer.
 from __future__ import annotations
 
 import copy
+import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ import torch
 __all__ = ["HostStager", "state_nbytes"]
 
 _Path = tuple[tuple[str, type, Any], ...]
+_Copy = tuple[torch.Tensor, torch.Tensor]  # (host buffer, source)
+_PARALLEL_MIN_BYTES = 8 << 20  # below this one thread copies (thread hand-off costs more)
+_CHUNK_BYTES = 16 << 20
 
 
 def state_nbytes(state: Any) -> int:
@@ -49,13 +54,18 @@ class HostStager:
         pin_memory: allocate pinned buffers for CUDA tensors (faster device-to-host copies).
     """
 
-    def __init__(self, *, pin_memory: bool = True) -> None:
+    def __init__(self, *, pin_memory: bool = True, threads: int | None = None) -> None:
         self._buffers: dict[_Path, torch.Tensor] = {}
         self._pin = pin_memory
+        self._threads = threads or min(4, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
 
     def release(self) -> None:
         """Drop the cached buffers (frees host memory; the next stage reallocates)."""
         self._buffers.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @property
     def nbytes(self) -> int:
@@ -68,31 +78,60 @@ class HostStager:
         Must not be called while a previous staged copy is still being written.
         """
         seen: set[_Path] = set()
-        staged = self._stage(state, (), seen)
+        copies: list[_Copy] = []
+        staged = self._stage(state, (), seen, copies)
         for key in list(self._buffers):
             if key not in seen:
                 del self._buffers[key]
-        if any(b.is_pinned() for b in self._buffers.values()) and torch.cuda.is_available():
+        self._copy_all(copies)
+        if any(b.is_pinned() for b, _ in copies) and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non_blocking device-to-host copies must land
         return staged
 
-    def _stage(self, obj: Any, path: _Path, seen: set[_Path]) -> Any:
+    def _copy_all(self, copies: list[_Copy]) -> None:
+        """Copy into the buffers; large host copies run in parallel, in 16 MiB chunks
+        (``Tensor.copy_`` releases the GIL; one thread copies at memory bandwidth)."""
+        jobs: list[_Copy] = []
+        for buf, src in copies:
+            if buf.is_pinned() or not src.is_contiguous() or src.device.type != "cpu":
+                buf.copy_(src, non_blocking=buf.is_pinned())
+                continue
+            flat_buf, flat_src = buf.view(-1), src.view(-1)
+            step = max(1, _CHUNK_BYTES // max(1, src.element_size()))
+            for a in range(0, flat_src.numel(), step):
+                jobs.append((flat_buf[a : a + step], flat_src[a : a + step]))
+        total = sum(b.numel() * b.element_size() for b, _ in jobs)
+        if self._threads <= 1 or total < _PARALLEL_MIN_BYTES or len(jobs) < 2:
+            for buf, src in jobs:
+                buf.copy_(src)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="checkpoint-stage")
+        for future in [self._pool.submit(b.copy_, s) for b, s in jobs]:
+            future.result()
+
+    def _stage(self, obj: Any, path: _Path, seen: set[_Path], copies: list[_Copy]) -> Any:
         if isinstance(obj, torch.Tensor):
             seen.add(path)
-            return self._stage_tensor(obj.detach(), path)
+            return self._stage_tensor(obj.detach(), path, copies)
         if isinstance(obj, OrderedDict):
             return OrderedDict(
-                (k, self._stage(v, (*path, ("o", type(k), k)), seen)) for k, v in obj.items()
+                (k, self._stage(v, (*path, ("o", type(k), k)), seen, copies))
+                for k, v in obj.items()
             )
         if isinstance(obj, dict):
-            return {k: self._stage(v, (*path, ("d", type(k), k)), seen) for k, v in obj.items()}
+            return {
+                k: self._stage(v, (*path, ("d", type(k), k)), seen, copies) for k, v in obj.items()
+            }
         if isinstance(obj, list):
-            return [self._stage(v, (*path, ("l", int, i)), seen) for i, v in enumerate(obj)]
+            return [self._stage(v, (*path, ("l", int, i)), seen, copies) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._stage(v, (*path, ("t", int, i)), seen) for i, v in enumerate(obj))
+            return tuple(
+                self._stage(v, (*path, ("t", int, i)), seen, copies) for i, v in enumerate(obj)
+            )
         return copy.deepcopy(obj)
 
-    def _stage_tensor(self, tensor: torch.Tensor, path: _Path) -> torch.Tensor:
+    def _stage_tensor(self, tensor: torch.Tensor, path: _Path, copies: list[_Copy]) -> torch.Tensor:
         buf = self._buffers.get(path)
         if (
             buf is None
@@ -107,5 +146,5 @@ class HostStager:
                 return buf
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
-        buf.copy_(tensor, non_blocking=buf.is_pinned())
+        copies.append((buf, tensor))
         return buf
