@@ -9,9 +9,11 @@ listing) belongs to :mod:`slurm_elastic.checkpoint.store`.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,27 @@ class ChecksumWriter:
             self.fd = -1
 
 
+_zip_crc_lock = threading.Lock()
+
+
+@contextmanager
+def _without_zip_crc() -> Iterator[None]:
+    """Skip torch.save's per-record zip CRC32 (a second full CPU pass over the data).
+
+    Our own CRC32 of the whole file, computed inline, already covers every byte, and
+    ``torch.load`` does not need the zip CRCs (``torch.serialization.set_crc32_options``).
+    The option is process-global: a ``torch.save`` in another thread during our save also
+    skips it (its file still loads with ``torch.load``).
+    """
+    with _zip_crc_lock:
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            yield
+        finally:
+            torch.serialization.set_crc32_options(previous)
+
+
 def write_state(state: Any, directory: Path) -> FileRecord:
     """Serialize ``state`` into ``directory/state.pt`` durably; return its record.
 
@@ -109,7 +132,8 @@ def write_state(state: Any, directory: Path) -> FileRecord:
     writer = ChecksumWriter(directory / STATE_FILE, on_bytes)
     try:
         try:
-            torch.save(state, writer)  # type: ignore[arg-type]
+            with _without_zip_crc():
+                torch.save(state, writer)  # type: ignore[arg-type]
         except OSError:
             raise
         except Exception as exc:
