@@ -51,7 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """What :meth:`CheckpointManager.load_latest` returns: the state and where it came from."""
