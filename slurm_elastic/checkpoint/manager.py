@@ -24,8 +24,10 @@ from slurm_elastic import events
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import Manifest
 from slurm_elastic.checkpoint.saver import AsyncSaver, CheckpointFlushTimeout
-from slurm_elastic.checkpoint.serializer import read_state, write_state
+from slurm_elastic.checkpoint.serializer import STATE_FILE, read_state, write_state
 from slurm_elastic.checkpoint.store import (
+    REPLACED_PREFIX,
+    TMP_PREFIX,
     CheckpointInfo,
     CheckpointStore,
     checked_metadata,
@@ -41,6 +43,9 @@ from slurm_elastic.errors import (
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
+    "REPLACED_PREFIX",
+    "STATE_FILE",
+    "TMP_PREFIX",
     "CheckpointFlushTimeout",
     "CheckpointInfo",
     "CheckpointManager",
