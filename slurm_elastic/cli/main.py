@@ -60,10 +60,58 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(*flag.names, dest=name, help=flag.help, choices=flag.choices, **extra)
 
 
+def _read_job_file(path: str) -> dict[str, object]:
+    """The flat mapping of a YAML job/config file; ConfigError naming the file and the fix."""
+    import yaml
+
+    from slurm_elastic.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist; check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path!r} cannot be read ({exc})") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config file {path!r} is not valid YAML{line}: fix its syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path!r} must hold a mapping of keys (key: value lines), "
+            f"got a {type(data).__name__}"
+        )
+    return {str(k): v for k, v in data.items()}
+
+
+def _job_file_config(path: str | None) -> dict[str, object] | None:
+    """For a job file (one with template keys: ``mode``, ``entrypoint``, ...): the config
+    keys its job script exports; ``None`` for a plain config file (or no file).
+
+    One YAML file serves every verb: ``render`` and ``submit`` export the job file's config
+    keys into the job, where they win over ``SLURM_ELASTIC_*`` variables inherited from the
+    shell; ``config`` and ``agent`` given the same file apply that same precedence.
+    """
+    if path is None:
+        return None
+    from slurm_elastic.submit import render
+
+    values = _read_job_file(path)
+    if not any(str(k).replace("-", "_") in render.TEMPLATE_KEYS for k in values):
+        return None
+    return render.job_config(values)
+
+
 def _load(ns: argparse.Namespace) -> ElasticConfig:
     overrides = {
         k: getattr(ns, k) for k in ("nnodes", *cli_flags()) if getattr(ns, k, None) is not None
     }
+    job = _job_file_config(ns.config)
+    if job is not None:
+        return load_config(None, overrides={**job, **overrides})
     return load_config(ns.config, overrides=overrides)
 
 
@@ -108,16 +156,19 @@ def _cmd_render(ns: argparse.Namespace) -> int:
     if ns.list:
         print("\n".join(render.list_templates()))
         return 0
-    if not ns.template:
-        raise SlurmElasticError("render: name a template (see --list)")
-    values: dict[str, object] = {}
-    if ns.config:
-        import yaml
-
-        with open(ns.config, encoding="utf-8") as fh:
-            values.update(yaml.safe_load(fh) or {})
+    values: dict[str, object] = _read_job_file(ns.config) if ns.config else {}
     values.update(_parse_kv(ns.set, "--set"))
-    text = render.render_template(ns.template, values)
+    template = ns.template or values.get("mode")
+    if not template:
+        raise SlurmElasticError(
+            "render: name a template (slurm-elastic render --list) or set 'mode' in the job file"
+        )
+    text = render.render_template(str(template), values)
+    # Slurm opens the log and working directories before the script runs: create them
+    # now (relative to here, where sbatch is expected to run), whether the script goes to
+    # a file or to stdout.
+    for line in render.ensure_job_directories(values):
+        print(f"slurm-elastic: {line}", file=sys.stderr)
     if ns.output:
         with open(ns.output, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -171,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("render", help="print an sbatch template filled from a config")
-    p.add_argument("template", nargs="?", help="fault_tolerant, elastic or elastic_array")
+    p.add_argument(
+        "template",
+        nargs="?",
+        help="fault_tolerant, elastic or elastic_array (default: the job file's mode)",
+    )
     p.add_argument("--config", help="YAML file with template values and config keys")
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE (repeatable)")
     p.add_argument("-o", "--output", help="write here instead of stdout")

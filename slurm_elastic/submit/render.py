@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 from slurm_elastic.config import ENV_PREFIX, ElasticConfig, load_config, parse_nnodes
 from slurm_elastic.errors import ConfigError
@@ -53,6 +55,9 @@ __all__ = [
     "SbatchOption",
     "TemplateSpec",
     "boolean_value",
+    "ensure_job_directories",
+    "job_config",
+    "job_directories",
     "list_templates",
     "render_template",
     "slurm_time_minutes",
@@ -109,7 +114,7 @@ TEMPLATE_KEYS: dict[str, object] = {
     "job_name": "slurm-elastic",
     "nodes": None,  # fault_tolerant only
     "signal_lead_s": 120,  # --signal=B:<preempt_signal>@<lead>: notice this early
-    "output_dir": "logs",  # sbatch --output directory (must exist; submit creates it)
+    "output_dir": None,  # sbatch --output directory; None: the submit directory (always exists)
     "setup": "",  # shell lines run before the agent (module load, venv activate)
     "launcher": "slurm-elastic",  # the command that provides `agent`
     "partition": None,
@@ -204,6 +209,8 @@ SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
     SbatchOption("cpus_per_task", "--cpus-per-task", "cpus_per_task", to_submitit=_cpus),
     SbatchOption("exclusive", "--exclusive", "exclusive", boolean=True),
 )
+#: The template ``slurm-elastic submit`` and :func:`job_config` use without a ``mode``.
+DEFAULT_MODE = "elastic_array"
 
 _PLACEHOLDER = re.compile(r"\$(\$)?\{([a-z][a-z0-9_]*)\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -326,7 +333,14 @@ def _nodes(spec: TemplateSpec, config: dict[str, object], template: dict[str, ob
         config["min_nodes"], config["max_nodes"] = parse_nnodes(config.pop("nnodes"))
     if spec.fixed_nodes:
         explicit = {k: config[k] for k in ("min_nodes", "max_nodes") if k in config}
-        nodes = _int("nodes", template.get("nodes", spec.defaults.get("nodes")), 1)
+        given = template.get("nodes")
+        if (
+            given is None
+            and len(explicit) == 2
+            and len({_int(k, v, 1) for k, v in explicit.items()}) == 1
+        ):
+            given = explicit["min_nodes"]  # nnodes: N (or min_nodes = max_nodes) names the count
+        nodes = _int("nodes", given if given is not None else spec.defaults.get("nodes"), 1)
         if any(_int(k, v, 1) != nodes for k, v in explicit.items()):
             raise ConfigError(
                 f"template {spec.name!r} runs a fixed number of nodes (nodes={nodes}) but "
@@ -346,6 +360,50 @@ def _nodes(spec: TemplateSpec, config: dict[str, object], template: dict[str, ob
             config["max_nodes"] = max(default_max, _int("min_nodes", config["min_nodes"], 1))
 
 
+def _resolve(
+    name: str, values: Mapping[str, object]
+) -> tuple[TemplateSpec, dict[str, object], dict[str, object], ElasticConfig]:
+    """(spec, config keys to export, template keys with defaults, validated config)."""
+    spec = _spec(name)
+    config, template = split_values(values)
+    if template.get("mode") not in (None, name):
+        raise ConfigError(
+            f"the values say mode {template['mode']!r} but template {name!r} is being "
+            f"rendered; render {template['mode']!r} or drop 'mode'"
+        )
+    defaults_config, defaults_template = split_values(
+        {k: v for k, v in spec.defaults.items() if k not in ("min_nodes", "max_nodes", "nodes")}
+    )
+    config = {**defaults_config, **config}
+    template = {
+        **{k: v for k, v in TEMPLATE_KEYS.items() if v is not None},
+        **defaults_template,
+        **{k: v for k, v in template.items() if v is not None},
+    }
+    _nodes(spec, config, template)
+
+    # Validate and normalise the config keys with the config class itself, without
+    # anything derived from this machine's environment.
+    resolved = load_config(None, environ={}, overrides=config, slurm=SlurmEnv.from_environ({}))
+    return spec, config, template, resolved
+
+
+def job_config(values: Mapping[str, object], mode: str | None = None) -> dict[str, object]:
+    """The config keys a job's script exports (``SLURM_ELASTIC_<KEY>``), validated.
+
+    The same resolution as :func:`render_template` (and ``slurm-elastic submit``): the
+    template's node logic and defaults for ``mode`` (default: the values' ``mode``, else
+    ``elastic_array``). Inside the job these values win over ``SLURM_ELASTIC_*`` variables
+    inherited from the submitting shell.
+
+    Raises:
+        ConfigError: as :func:`template_values` (``entrypoint`` is not required here).
+    """
+    name = str(mode or values.get("mode") or DEFAULT_MODE)
+    _, config, _, resolved = _resolve(name, values)
+    return {key: getattr(resolved, key) for key in sorted(config)}
+
+
 def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     """Resolve ``values`` into the text of every placeholder of template ``name``.
 
@@ -359,27 +417,7 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     Raises:
         ConfigError: unknown template or key, a missing required value, or a bad value.
     """
-    spec = _spec(name)
-    config, template = split_values(values)
-    if template.get("mode") not in (None, name):
-        raise ConfigError(
-            f"the values say mode {template['mode']!r} but template {name!r} is being "
-            f"rendered; render {template['mode']!r} or drop 'mode'"
-        )
-    defaults_config, defaults_template = split_values(
-        {k: v for k, v in spec.defaults.items() if k not in ("min_nodes", "max_nodes")}
-    )
-    config = {**defaults_config, **config}
-    template = {
-        **{k: v for k, v in TEMPLATE_KEYS.items() if v is not None},
-        **defaults_template,
-        **{k: v for k, v in template.items() if v is not None},
-    }
-    _nodes(spec, config, template)
-
-    # Validate and normalise the config keys with the config class itself, without
-    # anything derived from this machine's environment.
-    resolved = load_config(None, environ={}, overrides=config, slurm=SlurmEnv.from_environ({}))
+    spec, config, template, resolved = _resolve(name, values)
     exported = {key: getattr(resolved, key) for key in sorted(config)}
 
     entrypoint = template.get("entrypoint")
@@ -390,10 +428,17 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
             "--set entrypoint=train.py"
         )
 
+    output_dir = template.get("output_dir")
+    launcher = _words("launcher", template["launcher"])
+    if not launcher:
+        raise ConfigError(
+            "template value 'launcher' is empty: set it to a command that provides `agent`, e.g. slurm-elastic"
+        )
     out: dict[str, str] = {
         "job_name": _line("job_name", template["job_name"]),
-        "output_dir": _line("output_dir", template["output_dir"]),
-        "launcher": " ".join(shlex.quote(w) for w in _words("launcher", template["launcher"])),
+        "output_prefix": f"{_line('output_dir', output_dir).rstrip('/')}/" if output_dir else "",
+        "launcher": " ".join(shlex.quote(w) for w in launcher),
+        "launcher_command": shlex.quote(launcher[0]),
         "entrypoint": shlex.quote(_line("entrypoint", entrypoint)),
         "signal_lead_s": str(_int("signal_lead_s", template["signal_lead_s"], 0)),
         "preempt_signal": resolved.preempt_signal,
@@ -408,7 +453,8 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     out["args"] = (" " + shlex.join(args)) if args else ""
 
     setup = template["setup"]
-    out["setup"] = setup if isinstance(setup, str) else "\n".join(_words("setup", setup))
+    setup_text = setup if isinstance(setup, str) else "\n".join(_words("setup", setup))
+    out["setup"] = setup_text.strip("\n")
 
     sbatch = []
     for opt in SBATCH_OPTIONS:
@@ -447,6 +493,92 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
         exports.append(f"export {env_name}={shlex.quote(_line(f'env.{env_name}', env_value))}")
     out["env_exports"] = "\n".join(exports)
     return out
+
+
+_PATH_OPTIONS = {
+    "--chdir": "dir",
+    "-D": "dir",
+    "--output": "file",
+    "-o": "file",
+    "--error": "file",
+    "-e": "file",
+}
+
+
+def _option_paths(args: Sequence[str]) -> list[tuple[str, str]]:
+    """(kind, path) of the --chdir/--output/--error options among ``sbatch_args``."""
+    found: list[tuple[str, str]] = []
+    for arg in args:
+        text = str(arg).strip()
+        for option, kind in _PATH_OPTIONS.items():
+            if text.startswith(option + "=") or text.startswith(option + " "):
+                found.append((kind, text[len(option) + 1 :].strip()))
+            elif len(option) == 2 and text.startswith(option) and len(text) > 2 and text[2] != "-":
+                found.append((kind, text[2:].strip()))
+    return found
+
+
+def job_directories(
+    values: Mapping[str, object], cwd: str | os.PathLike[str] | None = None
+) -> list[Path]:
+    """The directories Slurm needs before the job script runs, resolved from ``cwd``.
+
+    sbatch starts a job in its working directory (``--chdir``, else the directory sbatch
+    runs in) and opens the ``--output``/``--error`` files there *before* the script runs;
+    when one of these directories is missing, the job fails at launch (``FAILED``,
+    ``JobLaunchFailure``, exit ``0:53``) and writes no log at all. Paths whose directory
+    part holds a Slurm ``%`` pattern are left out (only Slurm can expand them).
+
+    Args:
+        values: the flat job values (``output_dir``, ``sbatch_args``; other keys ignored).
+        cwd: where sbatch will run (default: the current directory).
+
+    Raises:
+        ConfigError: an unknown key (see :func:`split_values`).
+    """
+    _, template = split_values(values)
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    extra = _option_paths(_words("sbatch_args", template.get("sbatch_args") or ()))
+    workdir = base
+    for kind, option_path in extra:
+        if kind == "dir":
+            workdir = base / os.path.expanduser(option_path)
+    wanted = [workdir]
+    if template.get("output_dir"):
+        wanted.append(workdir / os.path.expanduser(str(template["output_dir"])))
+    wanted += [(workdir / os.path.expanduser(p)).parent for kind, p in extra if kind == "file"]
+    out: list[Path] = []
+    for wanted_dir in wanted:
+        if "%" not in str(wanted_dir) and wanted_dir not in out:
+            out.append(wanted_dir)
+    return out
+
+
+def ensure_job_directories(
+    values: Mapping[str, object], cwd: str | os.PathLike[str] | None = None
+) -> list[str]:
+    """Create the missing :func:`job_directories`; return one line per action for the user.
+
+    A directory that cannot be created (e.g. a cluster path rendered on a laptop) gives a
+    warning line, not an error: it may exist where the job is submitted.
+    """
+    lines: list[str] = []
+    for path in job_directories(values, cwd):
+        if path.is_dir():
+            continue
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            lines.append(
+                f"warning: cannot create {path} ({exc.strerror}): create it before sbatch, or "
+                "Slurm fails the job at launch (JobLaunchFailure) without writing a log"
+            )
+        else:
+            lines.append(
+                f"created {path}/ (Slurm opens the job's working and log directories before "
+                "the script runs, and fails the job without a log when they are missing)"
+            )
+    return lines
 
 
 def render_template(name: str, values: Mapping[str, object] | None = None) -> str:

@@ -139,6 +139,7 @@ def build_request(
         preempt_signal=resolved["preempt_signal"],
         signal_lead_s=int(resolved["signal_lead_s"]),
         job_name=resolved["job_name"],
-        output_dir=resolved["output_dir"],
+        # submitit keeps pickles and logs per job under it: a subdirectory by default
+        output_dir=str(template.get("output_dir") or "logs"),
         template={k: v for k, v in template.items() if k not in ("entrypoint", "args")},
     )

@@ -104,7 +104,7 @@ def test_array_template_shape() -> None:
     text = render.render_template("elastic_array", {"entrypoint": "t.py", "max_nodes": 6})
     assert "#SBATCH --array=0-5\n" in text
     assert "#SBATCH --nodes=1\n" in text
-    assert "#SBATCH --output=logs/%x-%A_%a.out\n" in text
+    assert "#SBATCH --output=%x-%A_%a.out\n" in text
     assert "\nexec slurm-elastic agent t.py\n" in text
     assert "export SLURM_ELASTIC_MAX_NODES=6\n" in text
     assert "srun" not in text
@@ -114,7 +114,7 @@ def test_allocation_templates_run_one_agent_per_node_through_srun() -> None:
     for name, nodes_line in (("fault_tolerant", "--nodes=4"), ("elastic", "--nodes=1-4")):
         text = render.render_template(name, {"entrypoint": "t.py"})
         assert f"#SBATCH {nodes_line}\n" in text
-        assert "#SBATCH --output=logs/%x-%j.out\n" in text
+        assert "#SBATCH --output=%x-%j.out\n" in text
         assert "srun --ntasks-per-node=1 --kill-on-bad-exit=0" in text
 
 
@@ -175,7 +175,7 @@ def test_mode_value_must_match_template() -> None:
 def test_config_log_dir_is_exported_not_confused_with_output_dir() -> None:
     text = render.render_template("elastic", {"entrypoint": "t.py", "log_dir": "/w/logs"})
     assert "export SLURM_ELASTIC_LOG_DIR=/w/logs\n" in text
-    assert "#SBATCH --output=logs/%x-%j.out\n" in text
+    assert "#SBATCH --output=%x-%j.out\n" in text
 
 
 def test_newline_in_single_line_value_is_rejected() -> None:
@@ -295,3 +295,12 @@ def test_templates_ship_in_the_wheel_identical_to_sbatch_templates(tmp_path: Pat
         }
     canonical = {p.name: p.read_text() for p in (REPO / "sbatch_templates").glob("*.sbatch")}
     assert shipped == canonical
+
+
+def test_fault_tolerant_takes_its_node_count_from_nnodes() -> None:
+    """One job file for every template: ``nnodes: 2`` names fault_tolerant's fixed count."""
+    for values in ({"nnodes": 2}, {"nnodes": "2:2"}, {"min_nodes": 2, "max_nodes": 2}):
+        text = render.render_template("fault_tolerant", {"entrypoint": "t.py", **values})
+        assert "#SBATCH --nodes=2\n" in text
+    with pytest.raises(ConfigError, match=r"fixed number of nodes \(nodes=4\)"):
+        render.render_template("fault_tolerant", {"entrypoint": "t.py", "nnodes": "1:4"})
