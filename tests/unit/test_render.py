@@ -304,3 +304,20 @@ def test_fault_tolerant_takes_its_node_count_from_nnodes() -> None:
         assert "#SBATCH --nodes=2\n" in text
     with pytest.raises(ConfigError, match=r"fixed number of nodes \(nodes=4\)"):
         render.render_template("fault_tolerant", {"entrypoint": "t.py", "nnodes": "1:4"})
+
+
+@pytest.mark.parametrize("name", ["elastic_array", "elastic"])
+def test_script_stops_with_a_message_when_setup_leaves_no_launcher(
+    name: str, tmp_path: Path
+) -> None:
+    """A job whose environment lacks slurm-elastic says so instead of 'command not found'."""
+    text = render.render_template(
+        name,
+        {"entrypoint": "t.py", "launcher": "no-such-launcher-xyz", "setup": "true"},
+    )
+    proc = subprocess.run(
+        ["bash", "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2
+    assert "no-such-launcher-xyz is not on PATH" in proc.stderr
+    assert "'setup'" in proc.stderr
