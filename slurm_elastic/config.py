@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import signal
@@ -24,8 +25,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from slurm_elastic import envvars
 from slurm_elastic.errors import ConfigError
@@ -197,6 +196,7 @@ class ElasticConfig:
     max_requeues: int = _field(20, _at_least(0), _flag("--max-requeues"))
 
     def __post_init__(self) -> None:
+        _check_limits(self)
         for fld in dataclasses.fields(self):
             value = getattr(self, fld.name)
             rule = fld.metadata.get("rule")
@@ -227,6 +227,35 @@ class ElasticConfig:
         return {
             k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()
         }
+
+
+#: Upper bounds that catch typos (an extra digit, a value in the wrong unit) early.
+LIMITS: dict[str, float] = {
+    "min_nodes": 100_000,
+    "max_nodes": 100_000,
+    "nproc_per_node": 4096,
+    "max_restarts": 1_000_000,
+    "max_requeues": 1_000_000,
+    "heartbeat_miss_limit": 100_000,
+}
+#: Durations (``*_s``) must be finite and at most this many seconds (about 116 days).
+MAX_SECONDS = 1e7
+
+
+def _check_limits(config: ElasticConfig) -> None:
+    for name, limit in LIMITS.items():
+        value = getattr(config, name)
+        if value is not None:
+            _check(value <= limit, name, value, f"must be at most {limit:,.0f}")
+    for fld in dataclasses.fields(config):
+        value = getattr(config, fld.name)
+        if fld.name.endswith("_s") and value is not None:
+            _check(
+                math.isfinite(value) and value <= MAX_SECONDS,
+                fld.name,
+                value,
+                f"must be a finite number of seconds, at most {MAX_SECONDS:.0e}",
+            )
 
 
 def _check(ok: bool, key: str, value: object, rule: str) -> None:
@@ -305,12 +334,15 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 raise ValueError
             return float(value)
         if kind.startswith("Path"):
-            return Path(os.path.expanduser(str(value)))
+            if not isinstance(value, str | os.PathLike):
+                raise ValueError  # {a: 1} must not become the path "{'a': 1}"
+            return Path(os.path.expanduser(os.fspath(value)))
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
         raise ValueError
     except (TypeError, ValueError) as exc:
         expected = kind.split(" |")[0]
+        expected = {"Path": "Path (a string)"}.get(expected, expected)
         raise ConfigError(
             f"config key {key!r} = {value!r} from {source}: expected {expected}"
         ) from exc
@@ -351,20 +383,9 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {os.fspath(path)!r} must hold a mapping of keys, got {type(data).__name__}"
-        )
-    return _collect(data, f"config file {os.fspath(path)!r}")
+    from slurm_elastic.yamlfile import load_mapping  # keeps 1:4 and 4:00:00 strings
+
+    return _collect(load_mapping(path), f"config file {os.fspath(path)!r}")
 
 
 def _derived(slurm: SlurmEnv, environ: Mapping[str, str]) -> dict[str, Any]:

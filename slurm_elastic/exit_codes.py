@@ -21,7 +21,8 @@ class ExitCode(enum.IntEnum):
     FINISHED = 0
     #: The workers kept failing and ``max_restarts`` was spent.
     FAILED = 1
-    #: Bad arguments or configuration; nothing was started.
+    #: Bad arguments or configuration, or an unusable rendezvous directory (missing,
+    #: read-only, unsafe); nothing was started.
     USAGE = 2
     #: Preemption or time-limit notice: checkpoint flushed, left the rendezvous, and this
     #: node's own job/array task was requeued.
@@ -32,7 +33,7 @@ class ExitCode(enum.IntEnum):
     #: SIGTERM/SIGINT with no notice first (``scancel``, a time limit without ``--signal``):
     #: workers stopped, left the rendezvous, not requeued.
     TERMINATED = 5
-    #: The rendezvous could not be joined (join timeout, unsafe directory, store error).
+    #: The rendezvous could not be joined (join timeout, store error).
     RENDEZVOUS_FAILED = 6
 
 

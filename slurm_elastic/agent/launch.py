@@ -17,6 +17,7 @@ spec, agent, shutdown) and adds what a Slurm node needs:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import math
 import os
@@ -45,7 +46,13 @@ from slurm_elastic import envvars, events, notice
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.config import ElasticConfig
-from slurm_elastic.errors import AgentError, SlurmElasticError, SlurmError
+from slurm_elastic.errors import (
+    ConfigError,
+    RendezvousSetupError,
+    SlurmElasticError,
+    SlurmError,
+)
+from slurm_elastic.rendezvous.options import RendezvousOptions, check_keys
 from slurm_elastic.rendezvous.protocols import LeavableRendezvous
 from slurm_elastic.slurm.control import SlurmControl, default_control
 from slurm_elastic.slurm.env import SlurmEnv
@@ -80,13 +87,13 @@ def rendezvous_parameters(
 ) -> RendezvousParameters:
     """Translate the config into torch's ``RendezvousParameters`` for any backend."""
     if config.run_id is None:
-        raise AgentError(
+        raise ConfigError(
             "no run id: outside a Slurm job pass --rdzv-id (or run_id in the config file)"
         )
     backend = config.rdzv_backend
     endpoint = str(config.rdzv_dir) if backend == "slurm" else (config.rdzv_endpoint or "")
     if backend != "slurm" and not endpoint:
-        raise AgentError(
+        raise ConfigError(
             f"rdzv_backend {backend!r} needs --rdzv-endpoint HOST:PORT (e.g. an etcd server)"
         )
     conf: dict[str, Any] = {
@@ -100,8 +107,9 @@ def rendezvous_parameters(
     else:
         conf["keep_alive_interval"] = _seconds(config.heartbeat_interval_s, backend)
         conf["keep_alive_max_attempt"] = str(config.heartbeat_miss_limit)
+    _check_extra_conf(backend, extra_conf or {})
     conf.update(extra_conf or {})
-    return RendezvousParameters(
+    params = RendezvousParameters(
         backend=backend,
         endpoint=endpoint,
         run_id=config.run_id,
@@ -110,6 +118,48 @@ def rendezvous_parameters(
         local_addr=config.local_addr,
         **conf,
     )
+    if backend == "slurm":
+        RendezvousOptions.from_parameters(params)  # every key and value, before any I/O
+    return params
+
+
+#: The ``--rdzv-conf`` keys torch's own backends read (torch 2.13).
+_TORCH_CONF_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "timeout",
+    "read_timeout",
+    "is_host",
+    "store_type",
+    "rank",
+    "protocol",
+    "cacert",
+    "ca_cert",
+    "cert",
+    "key",
+    "ssl_cert",
+    "ssl_cert_key",
+    "etcd_prefix",
+)
+
+
+def _check_extra_conf(backend: str, extra: Mapping[str, str]) -> None:
+    """Refuse unknown ``--rdzv-conf`` keys (slurm: :mod:`~slurm_elastic.rendezvous.options`)."""
+    if backend == "slurm":
+        check_keys(extra)
+        return
+    for key in sorted(extra):
+        if key not in _TORCH_CONF_KEYS:
+            close = difflib.get_close_matches(key, _TORCH_CONF_KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"unknown rendezvous option {key!r} for backend {backend!r} (--rdzv-conf)"
+                f"{hint} (known: {', '.join(_TORCH_CONF_KEYS)})"
+            )
 
 
 class _Stop:
@@ -258,6 +308,14 @@ def _run(
         handler = rdzv_registry.get_rendezvous_handler(params)
     except SignalException:  # stopped before there was anything to stop
         return _after_signal(config, slurm, client, None, stop)
+    except RendezvousClosedError as exc:  # a late agent of a run that has finished
+        log.info("the run %s is already finished: nothing to do (%s)", config.run_id, exc)
+        events.emit("agent.exit", code=ExitCode.FINISHED.name)
+        return ExitCode.FINISHED
+    except (ConfigError, RendezvousSetupError) as exc:  # fix the config or the directory
+        log.error("cannot set up the rendezvous: %s", exc)
+        events.emit("agent.exit", code=ExitCode.USAGE.name, error=str(exc))
+        return ExitCode.USAGE
     except (SlurmElasticError, RendezvousError, ValueError) as exc:
         log.error("cannot set up the rendezvous: %s", exc)
         events.emit("agent.exit", code=ExitCode.RENDEZVOUS_FAILED.name, error=str(exc))

@@ -15,15 +15,16 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from slurm_elastic import __version__
 from slurm_elastic.config import ElasticConfig, cli_flags, field_type, load_config
 from slurm_elastic.envvars import LOG_LEVEL_ENV
-from slurm_elastic.errors import SlurmElasticError
+from slurm_elastic.errors import ConfigError, SlurmElasticError
 
 __all__ = ["build_parser", "configure_logging", "main"]
 
@@ -62,29 +63,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def _read_job_file(path: str) -> dict[str, object]:
     """The flat mapping of a YAML job/config file; ConfigError naming the file and the fix."""
-    import yaml
+    from slurm_elastic.yamlfile import load_mapping
 
-    from slurm_elastic.errors import ConfigError
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist; check the path") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path!r} cannot be read ({exc})") from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"config file {path!r} is not valid YAML{line}: fix its syntax") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path!r} must hold a mapping of keys (key: value lines), "
-            f"got a {type(data).__name__}"
-        )
-    return {str(k): v for k, v in data.items()}
+    return load_mapping(path)
 
 
 def _job_file_config(path: str | None) -> dict[str, object] | None:
@@ -128,19 +109,37 @@ def _parse_kv(items: Sequence[str], flag: str) -> dict[str, str]:
     return out
 
 
+_STD = re.compile(r"^(?:[0-3]|\d+:[0-3](?:,\d+:[0-3])*)$")
+
+
+def _check_std(flag: str, value: str) -> str:
+    """torchrun's ``--redirects``/``--tee``: 0-3, or per local rank ``RANK:N,...``."""
+    if not _STD.match(value.strip()):
+        raise ConfigError(
+            f"{flag} {value!r}: expected 0, 1, 2 or 3 (none, stdout, stderr, both), or per "
+            "local rank LOCAL_RANK:N[,LOCAL_RANK:N...], e.g. 0:3,1:0"
+        )
+    return value.strip()
+
+
 def _cmd_agent(ns: argparse.Namespace) -> int:
     from slurm_elastic.agent import run_agent
+    from slurm_elastic.agent.launch import rendezvous_parameters
 
     config = _load(ns)
+    redirects = _check_std("--redirects", ns.redirects)
+    tee = _check_std("--tee", ns.tee)
+    rdzv_conf = _parse_kv(ns.rdzv_conf, "--rdzv-conf")
+    rendezvous_parameters(config, rdzv_conf)  # usage errors now, as one line, exit 2
     return int(
         run_agent(
             config,
             ns.entrypoint,
             ns.args,
             module=ns.module,
-            redirects=ns.redirects,
-            tee=ns.tee,
-            rdzv_conf=_parse_kv(ns.rdzv_conf, "--rdzv-conf"),
+            redirects=redirects,
+            tee=tee,
+            rdzv_conf=rdzv_conf,
         )
     )
 
@@ -170,8 +169,15 @@ def _cmd_render(ns: argparse.Namespace) -> int:
     for line in render.ensure_job_directories(values):
         print(f"slurm-elastic: {line}", file=sys.stderr)
     if ns.output:
-        with open(ns.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        try:
+            with open(ns.output, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            parent = os.path.dirname(ns.output) or "."
+            raise ConfigError(
+                f"-o {ns.output!r}: cannot write it ({exc.strerror}); create its directory "
+                f"first (mkdir -p {parent}) or choose another path"
+            ) from None
     else:
         sys.stdout.write(text)
     return 0
@@ -185,9 +191,16 @@ def _cmd_submit(ns: argparse.Namespace) -> int:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where to look, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="slurm-elastic",
         description="Elastic, preemption-tolerant PyTorch training on Slurm.",
     )
@@ -255,8 +268,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(ns.func(ns))
     except SlurmElasticError as exc:
-        print(f"slurm-elastic: error: {exc}", file=sys.stderr)
+        print(f"slurm-elastic: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file or directory the user named, or the environment
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(
+            f"slurm-elastic: error:{where} {exc.strerror or exc}; check the path and its "
+            "permissions",
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        print("slurm-elastic: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: one line; the traceback with -vv
+        log.debug("unexpected error", exc_info=True)
+        print(
+            f"slurm-elastic: internal error: {type(exc).__name__}: {_one_line(exc)} "
+            "(rerun with -vv for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":  # pragma: no cover

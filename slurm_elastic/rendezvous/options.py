@@ -35,6 +35,8 @@ rendezvous-only and have their rule here.
 
 from __future__ import annotations
 
+import difflib
+import math
 from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
@@ -42,7 +44,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from slurm_elastic.config import Rule, field_default, field_rule
 from slurm_elastic.errors import ConfigError
 
-__all__ = ["SHARED_WITH_CONFIG", "RendezvousOptions"]
+__all__ = ["KNOWN_KEYS", "SHARED_WITH_CONFIG", "RendezvousOptions", "check_keys"]
 
 #: RendezvousOptions fields that are ElasticConfig fields (same name, default and rule).
 SHARED_WITH_CONFIG = (
@@ -53,6 +55,45 @@ SHARED_WITH_CONFIG = (
     "heartbeat_miss_limit",
     "local_addr",
 )
+
+_NAMES = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_interval",
+    "keep_alive_interval",
+    "heartbeat_miss_limit",
+    "keep_alive_max_attempt",
+    "poll_interval",
+    "store_timeout",
+    "store_port",
+    "interface",
+    "local_addr",
+    "generation",
+    "incarnation",
+    "successors",
+    "reform_grace",
+)
+#: Keys torch adds itself: ``elastic_launch``'s rendezvous timeout, torchrun's node rank.
+_TORCH_ADDED = ("timeout", "rank")
+#: Every key the ``slurm`` backend accepts (each name also with the ``_s`` suffix).
+KNOWN_KEYS = frozenset((*_NAMES, *(f"{n}_s" for n in _NAMES), *_TORCH_ADDED))
+
+
+def check_keys(keys: object) -> None:
+    """Refuse rendezvous option keys the ``slurm`` backend does not know.
+
+    Raises:
+        ConfigError: naming the first unknown key and the closest known one.
+    """
+    for key in sorted(str(k) for k in keys):  # type: ignore[attr-defined]
+        if key not in KNOWN_KEYS:
+            close = difflib.get_close_matches(key, _NAMES, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"unknown rendezvous option {key!r} (--rdzv-conf){hint} "
+                f"(known: {', '.join(_NAMES)})"
+            )
 
 
 def _raw(params: RendezvousParameters, names: tuple[str, ...]) -> tuple[str, object] | None:
@@ -82,6 +123,8 @@ def _float(params: RendezvousParameters, default: float, *names: str, rule: Rule
         result = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"rendezvous option {key}={value!r} is not a number") from exc
+    if not math.isfinite(result):
+        raise ConfigError(f"rendezvous option {key}={value!r} must be a finite number")
     _checked(key, value, result, rule)
     return result
 
@@ -128,8 +171,10 @@ class RendezvousOptions:
         """Parse ``params.config`` (string values) and ``params.local_addr``.
 
         Raises:
-            ConfigError: a value is not a number or out of range (the message names it).
+            ConfigError: an unknown key, or a value that is not a number or out of range
+                (the message names it).
         """
+        check_keys(params.config)
         d = cls()
         return cls(
             join_timeout_s=_float(

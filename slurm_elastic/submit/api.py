@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-import yaml
-
 from slurm_elastic.errors import ConfigError, SlurmError
 from slurm_elastic.slurm.control import SlurmControl, default_control
 from slurm_elastic.submit import local, slurm_backend
@@ -33,6 +31,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CLUSTERS = ("local", "slurm")
+#: Arguments of :func:`submit` and the CLI that are not values of a job file.
+_NOT_JOB_KEYS = frozenset({"cluster", "folder", "python", "client", "dry_run", "wait"})
 
 
 @dataclass(frozen=True)
@@ -197,16 +197,17 @@ def submit_from_config(
         SlurmError: Slurm refused the job.
     """
     stream = sys.stdout if out is None else out
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-    except FileNotFoundError as exc:
-        raise ConfigError(f"job file {os.fspath(path)!r} does not exist") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"job file {os.fspath(path)!r} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"job file {os.fspath(path)!r} must hold a mapping of keys")
-    values = {str(k): v for k, v in data.items()}
+    from slurm_elastic.yamlfile import load_mapping
+
+    values = load_mapping(path, "job file")
+    for key in sorted(set(values) & _NOT_JOB_KEYS):
+        flag = f"--{key.replace('_', '-')}"
+        raise ConfigError(
+            f"job file {os.fspath(path)!r}: {key!r} is not a job value; drop it and pass "
+            f"{flag} on the command line (e.g. slurm-elastic submit JOB.yaml {flag} ...)"
+            if key in ("cluster", "dry_run", "wait")
+            else f"job file {os.fspath(path)!r}: {key!r} is not a job value; drop it"
+        )
     values.update(overrides or {})
     if dry_run:
         plan = plan_submission(cluster=cluster, **values)

@@ -303,6 +303,10 @@ def boolean_value(key: str, value: object) -> bool:
 
 
 def _line(key: str, value: object) -> str:
+    if not isinstance(value, str | int | float):  # a mapping or list is a mistake
+        raise ConfigError(
+            f"template value {key!r} = {value!r}: expected a string, not a {type(value).__name__}"
+        )
     text = str(value)
     if "\n" in text or "\r" in text:
         raise ConfigError(
