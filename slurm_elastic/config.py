@@ -388,12 +388,26 @@ def _from_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _collect(load_mapping(path), f"config file {os.fspath(path)!r}")
 
 
+def _cwd(environ: Mapping[str, str]) -> Path:
+    """The working directory, spelled as the shell's ``$PWD`` when that is still true
+    (it keeps symlinked paths); a stale ``$PWD`` (a process started with another cwd)
+    is ignored."""
+    cwd = os.getcwd()
+    pwd = environ.get("PWD")
+    try:
+        if pwd and os.path.samefile(pwd, cwd):
+            return Path(pwd)
+    except OSError:
+        pass
+    return Path(cwd)
+
+
 def _derived(slurm: SlurmEnv, environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if slurm.run_id:
         out["run_id"] = slurm.run_id
     out["nproc_per_node"] = slurm.gpus_per_node or 1
-    base = slurm.submit_dir or Path(environ.get("PWD") or os.getcwd())
+    base = slurm.submit_dir or _cwd(environ)
     out["state_dir"] = base / ".slurm_elastic"
     if slurm.node_name:
         out["local_addr"] = slurm.node_name

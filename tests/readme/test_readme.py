@@ -128,7 +128,7 @@ def test_config_prints_what_the_agent_in_the_rendered_job_resolves(
     SLURM_ELASTIC_* variables; flags beat both. Checked against a real bash running the
     rendered script's export lines, then ``slurm-elastic config`` (what the agent resolves)."""
     _job_file(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM") and k != "PWD"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
     env.update(
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
         PYTHONPATH=str(REPO),
