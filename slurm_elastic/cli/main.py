@@ -270,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SlurmElasticError as exc:
         print(f"slurm-elastic: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `slurm-elastic config | head`: the reader is gone, not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second failure when Python flushes stdout
+        return 141
     except OSError as exc:  # a file or directory the user named, or the environment
         where = f" {exc.filename!r}" if exc.filename else ""
         print(

@@ -249,3 +249,20 @@ def test_late_agent_of_a_finished_run_exits_0(tmp_path: Path) -> None:
     assert late.returncode == 0, late.stderr
     assert "trained" not in late.stdout
     assert "Traceback" not in late.stderr
+
+
+def test_output_into_a_closed_pipe_is_not_an_error(tmp_path: Path) -> None:
+    """`slurm-elastic config | head` used to print 'error: Broken pipe; check the path'.
+    ``true`` exits before the CLI has started, so its output meets a closed pipe."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        f"{sys.executable} -m slurm_elastic.cli.main config --rdzv-id r | true",
+        shell=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stderr == ""
