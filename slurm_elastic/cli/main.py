@@ -151,6 +151,7 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 def _cmd_render(ns: argparse.Namespace) -> int:
     from slurm_elastic.submit import render
+    from slurm_elastic.submit.directories import ensure_job_directories
 
     if ns.list:
         print("\n".join(render.list_templates()))
@@ -166,7 +167,7 @@ def _cmd_render(ns: argparse.Namespace) -> int:
     # Slurm opens the log and working directories before the script runs: create them
     # now (relative to here, where sbatch is expected to run), whether the script goes to
     # a file or to stdout.
-    for line in render.ensure_job_directories(values):
+    for line in ensure_job_directories(values):
         print(f"slurm-elastic: {line}", file=sys.stderr)
     if ns.output:
         try:

@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 
 from slurm_elastic.config import ENV_PREFIX, ElasticConfig, load_config, parse_nnodes
 from slurm_elastic.errors import ConfigError
@@ -55,9 +53,7 @@ __all__ = [
     "SbatchOption",
     "TemplateSpec",
     "boolean_value",
-    "ensure_job_directories",
     "job_config",
-    "job_directories",
     "list_templates",
     "render_template",
     "slurm_time_minutes",
@@ -497,92 +493,6 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
         exports.append(f"export {env_name}={shlex.quote(_line(f'env.{env_name}', env_value))}")
     out["env_exports"] = "\n".join(exports)
     return out
-
-
-_PATH_OPTIONS = {
-    "--chdir": "dir",
-    "-D": "dir",
-    "--output": "file",
-    "-o": "file",
-    "--error": "file",
-    "-e": "file",
-}
-
-
-def _option_paths(args: Sequence[str]) -> list[tuple[str, str]]:
-    """(kind, path) of the --chdir/--output/--error options among ``sbatch_args``."""
-    found: list[tuple[str, str]] = []
-    for arg in args:
-        text = str(arg).strip()
-        for option, kind in _PATH_OPTIONS.items():
-            if text.startswith(option + "=") or text.startswith(option + " "):
-                found.append((kind, text[len(option) + 1 :].strip()))
-            elif len(option) == 2 and text.startswith(option) and len(text) > 2 and text[2] != "-":
-                found.append((kind, text[2:].strip()))
-    return found
-
-
-def job_directories(
-    values: Mapping[str, object], cwd: str | os.PathLike[str] | None = None
-) -> list[Path]:
-    """The directories Slurm needs before the job script runs, resolved from ``cwd``.
-
-    sbatch starts a job in its working directory (``--chdir``, else the directory sbatch
-    runs in) and opens the ``--output``/``--error`` files there *before* the script runs;
-    when one of these directories is missing, the job fails at launch (``FAILED``,
-    ``JobLaunchFailure``, exit ``0:53``) and writes no log at all. Paths whose directory
-    part holds a Slurm ``%`` pattern are left out (only Slurm can expand them).
-
-    Args:
-        values: the flat job values (``output_dir``, ``sbatch_args``; other keys ignored).
-        cwd: where sbatch will run (default: the current directory).
-
-    Raises:
-        ConfigError: an unknown key (see :func:`split_values`).
-    """
-    _, template = split_values(values)
-    base = Path(cwd) if cwd is not None else Path.cwd()
-    extra = _option_paths(_words("sbatch_args", template.get("sbatch_args") or ()))
-    workdir = base
-    for kind, option_path in extra:
-        if kind == "dir":
-            workdir = base / os.path.expanduser(option_path)
-    wanted = [workdir]
-    if template.get("output_dir"):
-        wanted.append(workdir / os.path.expanduser(str(template["output_dir"])))
-    wanted += [(workdir / os.path.expanduser(p)).parent for kind, p in extra if kind == "file"]
-    out: list[Path] = []
-    for wanted_dir in wanted:
-        if "%" not in str(wanted_dir) and wanted_dir not in out:
-            out.append(wanted_dir)
-    return out
-
-
-def ensure_job_directories(
-    values: Mapping[str, object], cwd: str | os.PathLike[str] | None = None
-) -> list[str]:
-    """Create the missing :func:`job_directories`; return one line per action for the user.
-
-    A directory that cannot be created (e.g. a cluster path rendered on a laptop) gives a
-    warning line, not an error: it may exist where the job is submitted.
-    """
-    lines: list[str] = []
-    for path in job_directories(values, cwd):
-        if path.is_dir():
-            continue
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            lines.append(
-                f"warning: cannot create {path} ({exc.strerror}): create it before sbatch, or "
-                "Slurm fails the job at launch (JobLaunchFailure) without writing a log"
-            )
-        else:
-            lines.append(
-                f"created {path}/ (Slurm opens the job's working and log directories before "
-                "the script runs, and fails the job without a log when they are missing)"
-            )
-    return lines
 
 
 def render_template(name: str, values: Mapping[str, object] | None = None) -> str:
