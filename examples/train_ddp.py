@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     sampler = ElasticSampler(args.dataset_size, args.global_batch, seed=args.seed)
     sampler.set_epoch(epoch, offset)
-    events.emit("train.start", step=step, world_size=world, rank=rank)
+    events.emit(events.TrainStart(step=step, world_size=world, rank=rank, total_steps=args.steps))
 
     saved = [step]
 
@@ -164,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             notice.report_progress(step)
             if rank == 0 and step % 10 == 0:
                 print(f"step {step} loss {loss.item():.5f} world {world}", flush=True)
+                events.emit(  # for slurm-elastic status/timeline: throughput, progress
+                    events.TrainProgress(
+                        step=step,
+                        rank=rank,
+                        total_steps=args.steps,
+                        samples=step * args.global_batch,
+                    )
+                )
             if args.step_time:
                 time.sleep(args.step_time)
 
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 # This node stops; or a peer's node does, and our agent will stop these
                 # workers for the next round (they resume from the checkpoint just saved).
                 if stopping_here or notice.await_new_round(args.leave_wait):
-                    events.emit("train.preempted", step=step, rank=rank)
+                    events.emit(events.TrainPreempted(step=step, rank=rank))
                     return 0
             elif step % args.save_every == 0:
                 save(blocking=False)
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = f"{args.out}.tmp"
         torch.save(params, tmp)
         os.replace(tmp, args.out)
-    events.emit("train.done", step=step, rank=rank)
+    events.emit(events.TrainDone(step=step, rank=rank))
     dist.barrier()
     dist.destroy_process_group()
     return 0

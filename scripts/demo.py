@@ -9,12 +9,19 @@ from the agents' events: the node checkpoints and requeues itself, the survivors
 3 nodes within seconds, the task comes back and the world grows to 4 again, the run
 finishes and nothing of the job is left in the queue.
 
-With ``--cluster local`` (no Slurm here): the same training as 2 local node agents.
+With ``--cluster local`` (no Slurm here): the same story with 3 local node agents: one is
+preempted (``SIGUSR2``, as Slurm's notice), the other two go on, and a replacement agent
+joins (what Slurm's requeue does), so the world grows back to 3.
+
+Both end by printing ``slurm-elastic status`` of their own run and the path of its
+timeline picture (``slurm-elastic timeline``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,9 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic.cli.status import run_status
+from slurm_elastic.cli.timeline import run_timeline
 from slurm_elastic.events import read_events
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.submit.render import render_template
+from slurm_elastic.submit import local, submit
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_ddp.py"
@@ -42,14 +52,25 @@ class Narrator:
         self.events_dir = events_dir
         self.seen = 0
         self.world: int | None = None
+        self.events: list[Any] = []
 
-    def poll(self) -> list[dict[str, Any]]:
+    def distinct_hosts(self) -> bool:
+        """Whether nodes have their own host names (not local agents on one machine)."""
+        return len({e["host"] for e in self.events if e["kind"] == "agent.start"}) > 1
+
+    def poll_all(self) -> list[Any]:
+        """Every event so far (narrating the new ones)."""
+        self.poll()
+        return self.events
+
+    def poll(self) -> list[Any]:
         if not self.events_dir.exists():
             return []
-        events = list(read_events(self.events_dir))
+        self.events = events = list(read_events(self.events_dir))
         new, self.seen = events[self.seen :], len(events)
         for e in new:
-            kind, host = e["kind"], e.get("host")
+            kind = e["kind"]
+            host = e.get("host") if self.distinct_hosts() else f"agent {e.get('pid')}"
             if kind == "agent.workers_started" and e["group_world_size"] != self.world:
                 self.world = e["group_world_size"]
                 say(f"world is now {self.world} node(s) x 1 worker")
@@ -73,7 +94,7 @@ class Narrator:
         raise SystemExit(f"demo: timed out waiting for {what}")
 
 
-def run_slurm(work: Path, steps: int) -> int:
+def run_slurm(work: Path, steps: int) -> tuple[int, str]:
     client = SlurmClient()
     (work / "logs").mkdir()
     script = render_template(
@@ -143,22 +164,67 @@ def run_slurm(work: Path, steps: int) -> int:
     say(
         f"checkpoints: {sorted(p.name for p in (work / 'state' / 'checkpoints' / job).glob('step_*'))}"
     )
-    return 0 if set(states.values()) == {"COMPLETED"} else 1
+    return (0 if set(states.values()) == {"COMPLETED"} else 1), job
 
 
-def run_local(work: Path, steps: int) -> int:
-    say("no Slurm cluster here: running 2 local node agents x 2 workers instead")
-    cmd = [
-        sys.executable,
-        "-m",
-        "slurm_elastic.cli.main",
-        "submit",
-        str(ROOT / "examples" / "configs" / "local_demo.yaml"),
-        "--cluster",
-        "local",
-        "--wait",
-    ]
-    return subprocess.call(cmd, cwd=ROOT)  # the config names its entrypoint relative to it
+TRAIN_ARGS = ["--step-time", "0.1", "--dataset-size", "400", "--global-batch", "16"]
+FAST = {"heartbeat_interval_s": 0.5, "last_call_timeout_s": 2, "monitor_interval_s": 0.2}
+
+
+def run_local(work: Path, steps: int) -> tuple[int, str]:
+    """3 local node agents; one preempted, a replacement joins. Returns (rc, run dir)."""
+    say("no Slurm cluster here: running 3 local node agents x 1 worker instead")
+    folder = work / "local"
+    job = submit(
+        str(TRAIN),
+        [*TRAIN_ARGS, "--steps", str(steps), "--save-every", "50"],
+        mode="elastic_array",
+        cluster="local",
+        folder=folder,
+        nnodes="1:3",
+        nproc_per_node=1,
+        env={"OMP_NUM_THREADS": "1"},
+        **FAST,
+    )
+    say(f"started local job {job.job_id}: 3 agents (logs: {folder}/node*.log)")
+    n = Narrator(folder / "state" / "events" / job.job_id)
+    extra: subprocess.Popen[bytes] | None = None
+
+    def trains(nodes: int) -> int:
+        return sum(
+            1 for e in n.poll_all() if e["kind"] == "train.start" and e["world_size"] == nodes
+        )
+
+    try:
+        n.wait(lambda: trains(3), 180, "all 3 nodes training")
+        time.sleep(3)
+        victim = job.pids[1]
+        say(f"preempting node agent 1 (pid {victim}): SIGUSR2, Slurm's preemption notice")
+        os.kill(victim, signal.SIGUSR2)
+        n.wait(lambda: trains(2), 120, "the survivors to go on at 2 nodes")
+        mark = trains(3)
+        say("a replacement agent joins (what Slurm's requeue of the task does)")
+        with open(folder / "node3.log", "ab") as out:
+            extra = subprocess.Popen(
+                local.node_command(folder / "spec.json"),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=local.node_environment(extra={"OMP_NUM_THREADS": "1"}),
+                start_new_session=True,
+            )
+        n.wait(lambda: trains(3) > mark, 180, "the world to grow back to 3")
+        job.wait(600)  # the preempted agent counts as failed there: judge by exit codes
+        extra.wait(60)
+    finally:
+        job.cancel()
+        if extra is not None and extra.poll() is None:
+            extra.terminate()
+            extra.wait(30)
+    n.poll()
+    codes = job.exit_codes()
+    say(f"agents exited {codes} + replacement {extra.returncode} (4: preempted, no requeue here)")
+    ok = codes[1] == 4 and codes[0] == codes[2] == extra.returncode == 0
+    return (0 if ok else 1), str(folder)
 
 
 def main() -> int:
@@ -168,7 +234,16 @@ def main() -> int:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="slurm-elastic-demo-", dir="/var/tmp"))
     say(f"working directory (shared by all nodes): {work}")
-    rc = run_slurm(work, args.steps) if args.cluster == "slurm" else run_local(work, args.steps)
+    if args.cluster == "slurm":
+        rc, run = run_slurm(work, args.steps)
+    else:
+        rc, run = run_local(work, args.steps)
+    say(f"the run, as `slurm-elastic status {run}` shows it:")
+    print(flush=True)
+    run_status(run)
+    png = work / "timeline.png"
+    run_timeline(run, str(png), out=open(os.devnull, "w"))  # noqa: SIM115
+    say(f"timeline of this run (slurm-elastic timeline {run} -o ...): {png}")
     say("demo finished: " + ("OK" if rc == 0 else f"FAILED ({rc})"))
     return rc
 

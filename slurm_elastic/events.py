@@ -1,39 +1,486 @@
-"""Structured events written by agents, rendezvous and checkpoints.
+"""Typed structured events written by agents, rendezvous, checkpoints and training scripts.
 
 An event is one JSON object per line, appended to ``<events_dir>/<host>.<pid>.jsonl``
 (one file per writer, so writers on different nodes never interleave partial lines on
-a shared filesystem). Later tooling (``slurm-elastic status``/``logs``/``timeline``)
-merges the files by ``time``.
+a shared filesystem). ``slurm-elastic status``, ``logs`` and ``timeline`` merge the files
+by ``time`` (:func:`read_events`).
 
-Record fields: ``time`` (Unix seconds, float), ``kind`` (e.g. ``"rendezvous.complete"``),
-``host``, ``pid``, ``run_id`` and whatever keyword fields the emitter adds (JSON-able).
+Every kind of event is one frozen dataclass here (a subclass of :class:`Event`, registered
+under its ``kind`` string). Emitters construct them; readers get them back::
+
+    events.emit(events.CheckpointSaved(step=100, path="/ckpt/step_100", bytes=1 << 20))
+    for e in events.read_events(directory):
+        if isinstance(e, events.CheckpointSaved): ...
+
+Record (on disk): ``v`` (the schema version, :data:`SCHEMA_VERSION`), ``kind``, ``time``
+(Unix seconds, float), ``host``, ``pid``, ``run_id``, then the fields of the kind.
+
+Compatibility rules:
+
+* a reader keeps what it does not know: a record of an unknown kind (a newer version's)
+  becomes an :class:`UnknownEvent` holding all its fields; fields a known kind does not
+  declare are kept in ``extra``; a declared field missing from a record gets its default;
+* a torn last line (a writer killed mid-write) and non-object lines are skipped;
+* new fields are added with defaults, never renamed; a change that breaks this bumps
+  :data:`SCHEMA_VERSION`.
+
+Events also read like the record mapping (``e["step"]``, ``e.get("step")``) so that code
+written against the untyped records keeps working.
 
 The sink is chosen by the ``SLURM_ELASTIC_EVENTS_DIR`` environment variable, which the
 agent sets for its workers; with no sink configured :func:`emit` does nothing, so library
-code may call it unconditionally.
+code may call it unconditionally. Event files are created 0600 and opened without
+following a symbolic link (``O_NOFOLLOW``): the directory lives on a shared filesystem.
+
+The run index (:func:`record_run`, :func:`find_run`) maps a run id (the Slurm job id) to its
+state, events and checkpoint directories, so ``slurm-elastic status JOB`` finds a run after
+Slurm forgot the job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
+import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from slurm_elastic.envvars import EVENTS_DIR_ENV, RUN_ID_ENV
 
-__all__ = ["EVENTS_DIR_ENV", "emit", "read_events"]
+__all__ = [
+    "EVENTS_DIR_ENV",
+    "EVENT_TYPES",
+    "SCHEMA_VERSION",
+    "AgentExit",
+    "AgentGaveUp",
+    "AgentHang",
+    "AgentRequeued",
+    "AgentRestart",
+    "AgentSignal",
+    "AgentStart",
+    "AgentTerminated",
+    "CheckpointFailed",
+    "CheckpointLoaded",
+    "CheckpointRemoved",
+    "CheckpointSaved",
+    "CheckpointSkipped",
+    "Event",
+    "RendezvousComplete",
+    "RendezvousEvicted",
+    "RendezvousLeft",
+    "RunIndexEntry",
+    "TrainDone",
+    "TrainPreempted",
+    "TrainProgress",
+    "TrainStart",
+    "UnknownEvent",
+    "WorkersStarted",
+    "WorkersSucceeded",
+    "emit",
+    "event_from_record",
+    "find_run",
+    "read_events",
+    "record_run",
+    "run_index_dir",
+]
 
+#: The version of the record layout; readers accept every version (see the module doc).
+SCHEMA_VERSION = 1
 
 log = logging.getLogger(__name__)
 
+#: The fields every record carries (not part of a kind's own fields).
+_BASE_FIELDS = ("v", "kind", "time", "host", "pid", "run_id")
 
-def emit(kind: str, /, **fields: Any) -> None:
-    """Append one event record to this process's event file, if a sink is configured.
+
+def _host() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _run_id() -> str | None:
+    return os.environ.get(RUN_ID_ENV)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """The fields of every event; subclasses add the fields of one kind.
+
+    Attributes:
+        time: Unix seconds when it happened (the writer's clock).
+        host: the node (``SLURMD_NODENAME``, else the host name).
+        pid: the writing process.
+        run_id: the run (``SLURM_ELASTIC_RUN_ID``), ``None`` outside a run.
+        v: the schema version the record was written with.
+        extra: fields of the record this version does not declare (kept, never dropped).
+    """
+
+    kind: ClassVar[str] = ""
+
+    time: float = field(default_factory=time.time)
+    host: str = field(default_factory=_host)
+    pid: int = field(default_factory=os.getpid)
+    run_id: str | None = field(default_factory=_run_id)
+    v: int = SCHEMA_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        """The kind's own fields and the extra ones (no base fields)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _BASE_FIELDS and f.name != "extra"
+        }
+        return {**self.extra, **out}
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON-able record written to disk."""
+        return {
+            "v": self.v,
+            "kind": self.kind,
+            "time": self.time,
+            "host": self.host,
+            "pid": self.pid,
+            "run_id": self.run_id,
+            **self.fields(),
+        }
+
+    # Read access like the record mapping (compatibility with the untyped records).
+    def __getitem__(self, key: str) -> Any:
+        record = self.to_record()
+        return record[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``record.get(key, default)``."""
+        return self.to_record().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_record()
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnknownEvent(Event):
+    """A record of a kind this version does not know (e.g. written by a newer one).
+
+    ``kind`` is the record's kind; all its other fields are in ``extra``.
+    """
+
+    kind: str = ""  # type: ignore[misc]  # an instance field here, a ClassVar elsewhere
+
+
+EVENT_TYPES: dict[str, type[Event]] = {}
+
+
+def _register(cls: type[Event]) -> type[Event]:
+    EVENT_TYPES[cls.kind] = cls
+    return cls
+
+
+# -- agent ---------------------------------------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentStart(Event):
+    """An agent started (once per agent process; a requeued task starts a new one)."""
+
+    kind: ClassVar[str] = "agent.start"
+    config: Mapping[str, Any] = field(default_factory=dict)
+    requeue_count: int = 0
+    job: str | None = None  # the Slurm job or array task (``12_3``), None locally
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WorkersStarted(Event):
+    """A round completed and this node's workers (re)started."""
+
+    kind: ClassVar[str] = "agent.workers_started"
+    group_rank: int | None = None
+    group_world_size: int = 0  # nodes in the round
+    world_size: int = 0  # workers in the round
+    restart_count: int = 0
+    #: global rank -> the worker's log file ("" when workers write to the agent's output)
+    logs: Mapping[str, str] = field(default_factory=dict)
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentRestart(Event):
+    """The agent restarts its workers in a new round."""
+
+    kind: ClassVar[str] = "agent.restart"
+    reason: str = ""
+    remaining_restarts: int = 0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentHang(Event):
+    """The hang watchdog fired: no progress report for ``progress_age_s`` seconds."""
+
+    kind: ClassVar[str] = "agent.hang"
+    progress_age_s: float = 0.0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class WorkersSucceeded(Event):
+    """This node's workers finished successfully."""
+
+    kind: ClassVar[str] = "agent.workers_succeeded"
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentGaveUp(Event):
+    """Workers failed with no restarts left."""
+
+    kind: ClassVar[str] = "agent.gave_up"
+    max_restarts: int = 0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentSignal(Event):
+    """The agent got a signal (``notice``: the preemption notice signal or SIGTERM)."""
+
+    kind: ClassVar[str] = "agent.signal"
+    signal: str = ""
+    notice: bool = False
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentExit(Event):
+    """The agent exits with ``code`` (an ``ExitCode`` name)."""
+
+    kind: ClassVar[str] = "agent.exit"
+    code: str = ""
+    error: str | None = None
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentTerminated(Event):
+    """The agent was stopped by signals that were not a preemption notice."""
+
+    kind: ClassVar[str] = "agent.terminated"
+    signals: list[str] = field(default_factory=list)
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentRequeued(Event):
+    """The agent requeued its own Slurm task (``job``) after a preemption."""
+
+    kind: ClassVar[str] = "agent.requeued"
+    job: str = ""
+    requeue_count: int = 0
+
+
+# -- rendezvous ----------------------------------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RendezvousComplete(Event):
+    """A rendezvous round completed; this node got ``rank`` of ``world_size`` nodes."""
+
+    kind: ClassVar[str] = "rendezvous.complete"
+    round: int = 0
+    epoch: int = 0
+    rank: int = 0
+    world_size: int = 0
+    node: str = ""
+    store: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RendezvousEvicted(Event):
+    """Nodes whose heartbeats stopped were evicted."""
+
+    kind: ClassVar[str] = "rendezvous.evicted"
+    nodes: list[str] = field(default_factory=list)
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class RendezvousLeft(Event):
+    """A node left the rendezvous gracefully."""
+
+    kind: ClassVar[str] = "rendezvous.left"
+    node: str = ""
+
+
+# -- checkpoint ----------------------------------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSaved(Event):
+    """A checkpoint was committed (``format``: ``replicated`` or ``sharded``)."""
+
+    kind: ClassVar[str] = "checkpoint.saved"
+    step: int = 0
+    path: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    stall_seconds: float | None = None
+    format: str = "replicated"
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFailed(Event):
+    """A checkpoint save failed; nothing was committed."""
+
+    kind: ClassVar[str] = "checkpoint.failed"
+    step: int = 0
+    path: str = ""
+    error: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRemoved(Event):
+    """Retention removed an old checkpoint."""
+
+    kind: ClassVar[str] = "checkpoint.removed"
+    step: int = 0
+    path: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSkipped(Event):
+    """A damaged checkpoint was skipped when loading."""
+
+    kind: ClassVar[str] = "checkpoint.skipped"
+    step: int = 0
+    path: str = ""
+    error: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class CheckpointLoaded(Event):
+    """Training resumed from a checkpoint."""
+
+    kind: ClassVar[str] = "checkpoint.loaded"
+    step: int = 0
+    path: str = ""
+    seconds: float | None = None
+    format: str = "replicated"
+
+
+# -- training (emitted by the training script) ---------------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class TrainStart(Event):
+    """A worker starts (or resumes) training at ``step`` in a world of ``world_size``."""
+
+    kind: ClassVar[str] = "train.start"
+    step: int = 0
+    world_size: int = 0
+    rank: int = 0
+    total_steps: int | None = None  # when known: status and submit --wait show a bar
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class TrainProgress(Event):
+    """Periodic progress (rank 0 only is enough); the source of throughput."""
+
+    kind: ClassVar[str] = "train.progress"
+    step: int = 0
+    rank: int = 0
+    total_steps: int | None = None
+    samples: int | None = None  # samples trained so far (global), when known
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class TrainPreempted(Event):
+    """A worker saved and left after a preemption notice."""
+
+    kind: ClassVar[str] = "train.preempted"
+    step: int = 0
+    rank: int = 0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class TrainDone(Event):
+    """A worker finished training."""
+
+    kind: ClassVar[str] = "train.done"
+    step: int = 0
+    rank: int = 0
+
+
+# -- construction from records -------------------------------------------------------------
+
+
+def event_from_record(record: Mapping[str, Any]) -> Event:
+    """The typed event of one record; unknown kinds and fields are kept (module doc).
+
+    Raises:
+        ValueError: the record has no ``kind`` string or no numeric ``time``.
+    """
+    kind = record.get("kind")
+    when = record.get("time")
+    if not isinstance(kind, str) or not isinstance(when, (int, float)):
+        raise ValueError(f"not an event record (kind={kind!r}, time={when!r})")
+    base: dict[str, Any] = {
+        "time": float(when),
+        "host": str(record.get("host", "")),
+        "pid": record.get("pid") if isinstance(record.get("pid"), int) else 0,
+        "run_id": record.get("run_id"),
+        "v": record.get("v") if isinstance(record.get("v"), int) else 0,
+    }
+    rest = {k: v for k, v in record.items() if k not in _BASE_FIELDS}
+    cls = EVENT_TYPES.get(kind)
+    if cls is None:
+        return UnknownEvent(kind=kind, extra=rest, **base)
+    declared = {f.name for f in dataclasses.fields(cls)} - set(_BASE_FIELDS) - {"extra"}
+    known = {k: v for k, v in rest.items() if k in declared}
+    extra = {k: v for k, v in rest.items() if k not in declared}
+    try:
+        return cls(**base, **known, extra=extra)
+    except TypeError:  # pragma: no cover - all declared fields have defaults
+        return UnknownEvent(kind=kind, extra=rest, **base)
+
+
+def _legacy(kind: str, fields: Mapping[str, Any]) -> Event:
+    """``emit("kind", **fields)``: the typed event of a kind given by name."""
+    fields = dict(fields)
+    if "kind" in fields:  # the old sharded checkpoint events said kind="sharded"
+        fields["format"] = fields.pop("kind")
+    record = {"kind": kind, "time": time.time(), "host": _host(), "pid": os.getpid()}
+    record["run_id"] = _run_id()
+    record["v"] = SCHEMA_VERSION
+    return event_from_record({**fields, **record})
+
+
+# -- writing -------------------------------------------------------------------------------
+
+_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+
+
+def emit(event: Event | str, /, **fields: Any) -> None:
+    """Append one event to this process's event file, if a sink is configured.
+
+    ``event`` is a typed :class:`Event`; ``emit("kind", **fields)`` (for training
+    scripts) builds the typed event of that kind from the fields.
 
     Never raises: an event that cannot be written is logged at DEBUG and dropped, because
     observability must not take training down.
@@ -41,40 +488,137 @@ def emit(kind: str, /, **fields: Any) -> None:
     directory = os.environ.get(EVENTS_DIR_ENV)
     if not directory:
         return
-    host = socket.gethostname()
-    record = {
-        "time": time.time(),
-        "kind": kind,
-        "host": os.environ.get("SLURMD_NODENAME", host),
-        "pid": os.getpid(),
-        "run_id": os.environ.get(RUN_ID_ENV),
-        **fields,
-    }
     try:
-        line = json.dumps(record, default=str) + "\n"
-        path = Path(directory) / f"{record['host']}.{record['pid']}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        typed = _legacy(event, fields) if isinstance(event, str) else event
+        line = json.dumps(typed.to_record(), default=str) + "\n"
+        path = Path(directory) / f"{typed.host}.{typed.pid}.jsonl"
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # O_APPEND: each write of one line lands whole at the end of our own file.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # O_NOFOLLOW: a symlink planted at our file name on the shared FS is refused.
+        fd = os.open(path, _OPEN_FLAGS, 0o600)
         try:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
     except (OSError, TypeError, ValueError) as exc:
-        log.debug("dropping event %s: %s", kind, exc)
+        name = event if isinstance(event, str) else event.kind
+        log.debug("dropping event %s: %s", name, exc)
 
 
-def read_events(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield every well-formed event under ``directory``, ordered by time."""
-    records: list[dict[str, Any]] = []
+# -- reading -------------------------------------------------------------------------------
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of one event file, opened without following a link; [] if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        log.debug("skipping event file %s: %s", path, exc)
+        return []
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return []
+        return fh.read().decode("utf-8", errors="replace").splitlines()
+
+
+def read_events(directory: str | os.PathLike[str]) -> Iterator[Event]:
+    """Yield every well-formed event under ``directory``, ordered by time.
+
+    Torn or malformed lines are skipped; unknown kinds come back as :class:`UnknownEvent`.
+    A missing directory yields nothing.
+    """
+    out: list[Event] = []
     for path in sorted(Path(directory).glob("*.jsonl")):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line of a writer that died mid-write
-                if isinstance(rec, dict) and "time" in rec and "kind" in rec:
-                    records.append(rec)
-    records.sort(key=lambda r: r["time"])
-    yield from records
+        for line in _read_lines(path):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of a writer that died mid-write
+            if not isinstance(record, dict):
+                continue
+            try:
+                out.append(event_from_record(record))
+            except ValueError:
+                continue
+    out.sort(key=lambda e: e.time)
+    yield from out
+
+
+# -- the run index -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunIndexEntry:
+    """Where one run keeps its state (what :func:`record_run` wrote)."""
+
+    run_id: str
+    state_dir: str
+    events_dir: str
+    checkpoint_dir: str | None = None
+    log_dir: str | None = None
+    time: float = 0.0
+
+
+def run_index_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The per-user run index: ``$XDG_STATE_HOME/slurm_elastic/runs`` (else
+    ``~/.local/state/slurm_elastic/runs``)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(base) / "slurm_elastic" / "runs"
+
+
+def record_run(
+    run_id: str,
+    *,
+    state_dir: str | os.PathLike[str],
+    events_dir: str | os.PathLike[str],
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> None:
+    """Record where run ``run_id`` keeps its state in the per-user run index.
+
+    Written by every agent at start (atomically, 0600); never raises (best effort).
+    """
+    entry = RunIndexEntry(
+        run_id=run_id,
+        state_dir=os.path.abspath(state_dir),
+        events_dir=os.path.abspath(events_dir),
+        checkpoint_dir=None if checkpoint_dir is None else os.path.abspath(checkpoint_dir),
+        log_dir=None if log_dir is None else os.path.abspath(log_dir),
+        time=time.time(),
+    )
+    try:
+        directory = run_index_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = directory / f".{run_id}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dataclasses.asdict(entry), fh)
+        os.replace(tmp, directory / f"{run_id}.json")
+    except (OSError, ValueError) as exc:
+        log.debug("cannot record run %s in the run index: %s", run_id, exc)
+
+
+def find_run(run_id: str) -> RunIndexEntry | None:
+    """The run index entry of ``run_id``; ``None`` when there is none or it is not ours.
+
+    An entry not owned by this user, or a link, is ignored (it could point anywhere).
+    """
+    path = run_index_dir() / f"{run_id}.json"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, encoding="utf-8") as fh:
+        info = os.fstat(fh.fileno())
+        if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
+            log.warning("ignoring run index entry %s: not a file of this user", path)
+            return None
+        try:
+            data = json.load(fh)
+            return RunIndexEntry(**{k: data[k] for k in data if k in RunIndexEntry.__annotations__})
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring unreadable run index entry %s: %s", path, exc)
+            return None

@@ -80,19 +80,30 @@ class SlurmElasticAgent(LocalElasticAgent):
             world,
         )
         events.emit(
-            "agent.workers_started",
-            group_rank=worker_group.group_rank,
-            group_world_size=nodes,
-            world_size=world,
-            restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+            events.WorkersStarted(
+                group_rank=worker_group.group_rank,
+                group_world_size=nodes,
+                world_size=world,
+                restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+                logs=self._worker_logs(worker_group),
+            )
         )
+
+    def _worker_logs(self, worker_group: WorkerGroup) -> dict[str, str]:
+        """Global rank -> the worker's stdout file (for ``slurm-elastic logs``)."""
+        stdouts = getattr(self._pcontext, "stdouts", None) or {}
+        return {
+            str(w.global_rank): str(stdouts[w.local_rank])
+            for w in worker_group.workers
+            if stdouts.get(w.local_rank)
+        }
 
     def _restart_after(self, reason: str, charge: bool) -> None:
         group = self._worker_group
         before = group.group_world_size
         if charge:
             self._remaining_restarts -= 1
-        events.emit("agent.restart", reason=reason, remaining_restarts=self._remaining_restarts)
+        events.emit(events.AgentRestart(reason=reason, remaining_restarts=self._remaining_restarts))
         self._restart_workers(group)
         if charge and group.group_world_size != before:
             # The failure came with a membership change (a peer left or joined): the
@@ -117,13 +128,13 @@ class SlurmElasticAgent(LocalElasticAgent):
                     self._progress_age_s(),
                     self._hang_timeout_s,
                 )
-                events.emit("agent.hang", progress_age_s=self._progress_age_s())
+                events.emit(events.AgentHang(progress_age_s=self._progress_age_s()))
                 state = WorkerState.UNHEALTHY
             self._worker_group.state = state
 
             if state == WorkerState.SUCCEEDED:
                 log.info("local workers finished; waiting for the other agents")
-                events.emit("agent.workers_succeeded")
+                events.emit(events.WorkersSucceeded())
                 self._exit_barrier()
                 return run_result
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
@@ -144,7 +155,7 @@ class SlurmElasticAgent(LocalElasticAgent):
                     continue
                 self._stop_workers(self._worker_group)
                 self._worker_group.state = WorkerState.FAILED
-                events.emit("agent.gave_up", max_restarts=spec.max_restarts)
+                events.emit(events.AgentGaveUp(max_restarts=spec.max_restarts))
                 if state == WorkerState.UNHEALTHY:
                     # torch reports no failures for a hang; make it a failed result.
                     run_result = RunResult(state=WorkerState.FAILED)

@@ -183,7 +183,7 @@ class _Stop:
             return  # e.g. Slurm's SIGTERM after the USR2 notice: already shutting down
         self.stopping = True
         log.warning("received %s: stopping workers (they checkpoint first)", sig.name)
-        events.emit("agent.signal", signal=sig.name, notice=self.noticed)
+        events.emit(events.AgentSignal(signal=sig.name, notice=self.noticed))
         # torch's agent forwards ``sigval`` to the workers and waits shutdown_timeout_s:
         # forward the notice signal, which workers handle (checkpoint, then exit), even
         # for SIGTERM, whose default action would kill them before they can save.
@@ -277,6 +277,20 @@ def _worker_environment(
     return {k: str(v) for k, v in values.items() if v is not None}
 
 
+def _worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path | None, str, str]:
+    """Where the workers' output goes: per-rank files kept across restarts and requeues.
+
+    With no ``log_dir`` configured, the files go under ``state_dir/logs/<run_id>`` and are
+    also copied to the agent's output (``tee``), each line prefixed ``[rank<R>]:``, unless
+    the user chose ``redirects``/``tee`` explicitly (``slurm-elastic logs`` reads them).
+    """
+    if config.log_dir is not None:
+        return config.log_dir, redirects, tee
+    if config.run_id is None or (redirects, tee) != ("0", "0"):
+        return None, redirects, tee
+    return config.state_dir / "logs" / config.run_id, "0", "3"
+
+
 def _run(
     config: ElasticConfig,
     entrypoint: str,
@@ -292,12 +306,22 @@ def _run(
 ) -> int:
     os.environ.update(_worker_environment(config, slurm, notice_file, heartbeat_file))
     log.info("agent config: %s", config.as_dict())
+    log_dir, redirects, tee = _worker_logs(config, redirects, tee)
     events.emit(
-        "agent.start",
-        config=config.as_dict(),
-        requeue_count=slurm.restart_count,
-        job=slurm.own_job_ref,
+        events.AgentStart(
+            config=config.as_dict(),
+            requeue_count=slurm.restart_count,
+            job=slurm.own_job_ref,
+        )
     )
+    if config.run_id and config.events_dir:  # so that `slurm-elastic status JOB` finds it
+        events.record_run(
+            config.run_id,
+            state_dir=config.state_dir,
+            events_dir=config.events_dir,
+            checkpoint_dir=config.checkpoint_dir,
+            log_dir=log_dir,
+        )
 
     stop = _Stop(config.preempt_signum, notice_file)
     for sig in {config.preempt_signum, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}:
@@ -318,7 +342,7 @@ def _run(
         return ExitCode.USAGE
     except (SlurmElasticError, RendezvousError, ValueError) as exc:
         log.error("cannot set up the rendezvous: %s", exc)
-        events.emit("agent.exit", code=ExitCode.RENDEZVOUS_FAILED.name, error=str(exc))
+        events.emit(events.AgentExit(code=ExitCode.RENDEZVOUS_FAILED.name, error=str(exc)))
         return ExitCode.RENDEZVOUS_FAILED
 
     cmd, cmd_args = _python_entrypoint(entrypoint, args, module)
@@ -349,10 +373,11 @@ def _run(
     agent = SlurmElasticAgent(
         spec=spec,
         logs_specs=DefaultLogsSpecs(
-            log_dir=str(config.log_dir) if config.log_dir else None,
+            log_dir=str(log_dir) if log_dir else None,
             redirects=Std.from_str(redirects),
             tee=Std.from_str(tee),
         ),
+        log_line_prefix_template="[rank${rank}]:",
         start_method="spawn",
         exit_barrier_timeout=max(60.0, config.close_timeout_s),
         shutdown_timeout=max(1, math.ceil(config.shutdown_timeout_s)),
@@ -387,7 +412,7 @@ def _run(
         code = ExitCode.RENDEZVOUS_FAILED
         return code
     finally:
-        events.emit("agent.exit", code=code.name)
+        events.emit(events.AgentExit(code=code.name))
         log.info("agent exits with %d (%s)", code, code.name)
 
     # Reached only after agent.run() returned: close the run on success (torch does the
@@ -422,7 +447,7 @@ def _after_signal(
     # shutdown_timeout_s for the workers (their checkpoint flush), then killed them.
     _leave(handler)
     if not stop.noticed:
-        events.emit("agent.terminated", signals=stop.signals)
+        events.emit(events.AgentTerminated(signals=list(stop.signals)))
         return ExitCode.TERMINATED
     if config.requeue == "never":
         return ExitCode.PREEMPTED
@@ -455,7 +480,7 @@ def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: SlurmControl | 
         log.warning("requeue of %s failed: %s", ref, exc)
         return False
     log.info("requeued %s", ref)
-    events.emit("agent.requeued", job=ref, requeue_count=slurm.restart_count + 1)
+    events.emit(events.AgentRequeued(job=ref, requeue_count=slurm.restart_count + 1))
     return True
 
 

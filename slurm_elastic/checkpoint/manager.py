@@ -242,11 +242,11 @@ class CheckpointManager:
             leftover = store.discard(tmp)
             message = describe_os_error(exc, tmp, action, leftover=leftover)
             log.error("%s", message)
-            events.emit("checkpoint.failed", step=step, path=str(tmp), error=str(exc))
+            events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=str(exc)))
             raise CheckpointWriteError(message) from exc
         except CheckpointWriteError as exc:
             store.discard(tmp)
-            events.emit("checkpoint.failed", step=step, path=str(tmp), error=str(exc))
+            events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=str(exc)))
             raise
         except BaseException:  # KeyboardInterrupt, SystemExit...: no partial leftovers
             store.discard(tmp)
@@ -262,12 +262,13 @@ class CheckpointManager:
             stall or seconds,
         )
         events.emit(
-            "checkpoint.saved",
-            step=step,
-            path=str(final),
-            bytes=manifest.total_bytes,
-            seconds=seconds,
-            stall_seconds=stall or seconds,
+            events.CheckpointSaved(
+                step=step,
+                path=str(final),
+                bytes=manifest.total_bytes,
+                seconds=seconds,
+                stall_seconds=stall or seconds,
+            )
         )
         store.apply_retention(step)
         return final
@@ -351,5 +352,5 @@ class CheckpointManager:
         state = read_state(path, map_location, weights_only=self.weights_only, mmap=mmap)
         seconds = time.perf_counter() - start
         log.info("checkpoint step %d loaded from %s", step, path)
-        events.emit("checkpoint.loaded", step=step, path=str(path), seconds=seconds)
+        events.emit(events.CheckpointLoaded(step=step, path=str(path), seconds=seconds))
         return LoadedCheckpoint(step, path, state, manifest)

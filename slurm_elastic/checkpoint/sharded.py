@@ -163,7 +163,7 @@ def save_sharded(
         leftover = None
         if rank == 0 and tmp_name is not None:
             leftover = store.discard(tmp)
-            events.emit("checkpoint.failed", step=step, path=str(tmp), error=first)
+            events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=first))
         leftover = _broadcast(str(leftover) if leftover else None)
         if leftover:
             first += f"; the partial temporary {leftover} could not be removed: remove it by hand"
@@ -175,12 +175,13 @@ def save_sharded(
             "sharded checkpoint step %d saved: %s (%d bytes)", step, final, manifest.total_bytes
         )
         events.emit(
-            "checkpoint.saved",
-            step=step,
-            path=str(final),
-            bytes=manifest.total_bytes,
-            seconds=seconds,
-            kind="sharded",
+            events.CheckpointSaved(
+                step=step,
+                path=str(final),
+                bytes=manifest.total_bytes,
+                seconds=seconds,
+                format="sharded",
+            )
         )
         store.apply_retention(step)
     dist.barrier()  # nobody loads before the commit
@@ -236,5 +237,5 @@ def load_sharded(
     path = store.step_path(chosen)
     dcp.load(state_dict, checkpoint_id=path)
     log.info("sharded checkpoint step %d loaded from %s", manifest.step, path)
-    events.emit("checkpoint.loaded", step=manifest.step, path=str(path), kind="sharded")
+    events.emit(events.CheckpointLoaded(step=manifest.step, path=str(path), format="sharded"))
     return manifest

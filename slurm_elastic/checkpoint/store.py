@@ -461,7 +461,7 @@ class CheckpointStore:
                 _remove_tree(trash)
             except OSError as exc:
                 log.warning("retention could not remove %s: %s", info.path, exc)
-            events.emit("checkpoint.removed", step=info.step, path=str(info.path))
+            events.emit(events.CheckpointRemoved(step=info.step, path=str(info.path)))
 
     # ------------------------------------------------------------------ verify
     def verify(self, step: int, *, deep: bool = True) -> Manifest:
@@ -486,7 +486,7 @@ class CheckpointStore:
     def report_damaged(self, info: CheckpointInfo, exc: Exception) -> None:
         """Log (WARNING) and emit that a damaged checkpoint is skipped (it is never deleted)."""
         log.warning("skipping damaged checkpoint %s: %s", info.path, exc)
-        events.emit("checkpoint.skipped", step=info.step, path=str(info.path), error=str(exc))
+        events.emit(events.CheckpointSkipped(step=info.step, path=str(info.path), error=str(exc)))
 
     def latest_verified(self, *, deep: bool = True) -> CheckpointInfo | None:
         """The newest committed checkpoint that verifies; damaged ones are skipped with a

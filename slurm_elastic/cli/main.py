@@ -7,6 +7,7 @@ Subcommands:
 * ``render`` print an sbatch template filled from a config (a dry run of ``sbatch``)
 * ``submit`` submit a config to Slurm (or run it locally) through submitit
 * ``config`` print the resolved configuration (defaults, Slurm, YAML, env, flags)
+* ``status``/``logs``/``timeline`` a run's state, per-rank logs, picture (docs/operability.md)
 """
 
 from __future__ import annotations
@@ -185,11 +186,54 @@ def _cmd_render(ns: argparse.Namespace) -> int:
 
 
 def _cmd_submit(ns: argparse.Namespace) -> int:
+    from slurm_elastic.cli.status import WaitProgress
     from slurm_elastic.submit import submit_from_config
 
+    progress = WaitProgress() if ns.wait and not ns.dry_run else None
     return int(
-        submit_from_config(ns.config_file, cluster=ns.cluster, dry_run=ns.dry_run, wait=ns.wait)
+        submit_from_config(
+            ns.config_file, cluster=ns.cluster, dry_run=ns.dry_run, wait=ns.wait, progress=progress
+        )
     )
+
+
+def _add_ops_commands(sub: Any) -> None:
+    """``status``, ``logs`` and ``timeline`` (slurm_elastic.cli.status/logs/timeline)."""
+    job_help = "Slurm job id, array job id, run id, or the run's state directory"
+
+    def status(ns: argparse.Namespace) -> int:
+        from slurm_elastic.cli.status import run_status
+
+        return run_status(ns.job, as_json=ns.json, watch=ns.watch, interval_s=ns.interval)
+
+    def logs(ns: argparse.Namespace) -> int:
+        from slurm_elastic.cli.logs import run_logs
+
+        return run_logs(ns.job, node=ns.node, rank=ns.rank, follow=ns.follow)
+
+    def timeline(ns: argparse.Namespace) -> int:
+        from slurm_elastic.cli.timeline import run_timeline
+
+        return run_timeline(ns.job, ns.output)
+
+    p = sub.add_parser("status", help="where a run stands: nodes, world, checkpoint, speed")
+    p.add_argument("job", help=job_help)
+    p.add_argument("--json", action="store_true", help="one JSON document (docs/operability.md)")
+    p.add_argument("--watch", action="store_true", help="refresh until the run ends")
+    p.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("logs", help="per-rank worker logs, across restarts and requeues")
+    p.add_argument("job", help=job_help)
+    p.add_argument("--node", help="node (array task index, host or NODE of status)")
+    p.add_argument("--rank", type=int, help="global rank")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.set_defaults(func=logs)
+
+    p = sub.add_parser("timeline", help="draw the run's timeline (PNG)")
+    p.add_argument("job", help=job_help)
+    p.add_argument("-o", "--output", default="timeline.png", help="image file (.png/.svg/.pdf)")
+    p.set_defaults(func=timeline)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -258,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would be submitted")
     p.add_argument("--wait", action="store_true", help="wait for the job to finish")
     p.set_defaults(func=_cmd_submit)
+    _add_ops_commands(sub)
     return parser
 
 

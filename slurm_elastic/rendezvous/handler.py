@@ -449,7 +449,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                     names,
                     self._monitor.window_s,
                 )
-                events.emit("rendezvous.evicted", nodes=[repr(n) for n in dead])
+                events.emit(events.RendezvousEvicted(nodes=[repr(n) for n in dead]))
                 return
 
     # -- the rendezvous -------------------------------------------------------------------
@@ -514,13 +514,14 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             time.monotonic() - started,
         )
         events.emit(
-            "rendezvous.complete",
-            round=round_,
-            epoch=self._epoch.number,
-            rank=rank,
-            world_size=world,
-            node=self._node_name,
-            store=f"{info.master_addr}:{info.master_port}",
+            events.RendezvousComplete(
+                round=round_,
+                epoch=self._epoch.number,
+                rank=rank,
+                world_size=world,
+                node=self._node_name,
+                store=f"{info.master_addr}:{info.master_port}",
+            )
         )
         return RendezvousInfo(store, rank, world, info)
 
@@ -564,7 +565,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._monitor.remove()
         self._round_members = None
         log.info("rendezvous %r: node %s left", self._settings.run_id, self._node_name)
-        events.emit("rendezvous.left", node=self._node_name)
+        events.emit(events.RendezvousLeft(node=self._node_name))
 
     def _leave_if_active(self) -> None:
         if not self._active:

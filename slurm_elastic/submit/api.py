@@ -8,7 +8,7 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -182,11 +182,14 @@ def submit_from_config(
     overrides: Mapping[str, object] | None = None,
     timeout_s: float | None = None,
     out: TextIO | None = None,
+    progress: Callable[[str, str], None] | None = None,
 ) -> int:
     """``slurm-elastic submit CONFIG.yaml``: submit (or print) the job a YAML file describes.
 
     The YAML is a flat mapping of config keys, template keys, ``mode`` and
     ``entrypoint``/``args`` - the same file ``slurm-elastic render`` takes.
+
+    ``progress(job_id, state)`` is called at each poll while waiting.
 
     Returns:
         The process exit status: 0 submitted (or, with ``wait``, completed), 1 the job
@@ -221,7 +224,7 @@ def submit_from_config(
     if not wait:
         return 0
     try:
-        state = job.wait(timeout_s)
+        state = job.wait(timeout_s, poll_s=1.0 if progress else 0.5, on_poll=progress)
     except KeyboardInterrupt:
         job.cancel()
         raise

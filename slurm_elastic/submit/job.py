@@ -18,7 +18,7 @@ import pickle
 import stat
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,8 +151,15 @@ class JobHandle(abc.ABC):
         """Whether the job has finished (in any way)."""
         return self.state().finished
 
-    def wait(self, timeout_s: float | None = None, poll_s: float = 0.5) -> JobState:
+    def wait(
+        self,
+        timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        on_poll: Callable[[str, str], None] | None = None,
+    ) -> JobState:
         """Wait until the job is finished; return its final state.
+
+        ``on_poll(job_id, state)`` is called at each poll (``submit --wait`` progress).
 
         Raises:
             JobTimeoutError: still not finished after ``timeout_s`` seconds (the job is
@@ -161,6 +168,8 @@ class JobHandle(abc.ABC):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             state = self.state()
+            if on_poll is not None:
+                on_poll(self.job_id, state.value)
             if state.finished:
                 return state
             if deadline is not None and time.monotonic() >= deadline:

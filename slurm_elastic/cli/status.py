@@ -1,0 +1,317 @@
+"""``slurm-elastic status JOB [--watch] [--json]``: where a run stands, at a glance.
+
+JOB is a Slurm job id, an array job id, a run id or the run's state directory (see
+:mod:`slurm_elastic.cli.runs`). The table shows the run's state, elapsed time, round and
+world size, training progress (a bar when the events carry a total), recent throughput,
+the last checkpoint (step and age), one line per node (Slurm job or array task, state,
+restarts, requeues, last heartbeat) and Slurm's state of each task. ``--json`` prints the
+same as one document of the schema in ``docs/operability.md``; ``--watch`` redraws it.
+
+:class:`ProgressPrinter` is the one-line progress (elapsed, state, world size, bar) that
+``status --watch`` and ``submit --wait`` print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from slurm_elastic import events as ev
+from slurm_elastic.cli.runs import RunLocation, locate
+from slurm_elastic.cli.summary import THROUGHPUT_WINDOW_S, RunSummary, SlurmTask, summarize_run
+from slurm_elastic.errors import SlurmElasticError, SlurmError
+from slurm_elastic.slurm.commands import SlurmClient
+
+__all__ = [
+    "ProgressPrinter",
+    "WaitProgress",
+    "collect",
+    "format_duration",
+    "progress_line",
+    "render_table",
+    "run_status",
+]
+
+log = logging.getLogger(__name__)
+
+_HB_NAME = re.compile(r"[^A-Za-z0-9._-]")  # as rendezvous.heartbeat.node_file_name
+
+
+def format_duration(seconds: float | None) -> str:
+    """``93`` -> ``1m33s``; ``None`` -> ``-``."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _bar(fraction: float, width: int = 24) -> str:
+    filled = round(fraction * width)
+    return "[" + "#" * filled + "." * (width - filled) + f"] {fraction * 100:3.0f}%"
+
+
+def _heartbeats(summary_nodes: list[str], config_rdzv: str | None, run_id: str) -> dict[str, float]:
+    """Rendezvous node name -> mtime of its heartbeat file (newest epoch first wins)."""
+    if not config_rdzv:
+        return {}
+    out: dict[str, float] = {}
+    root = Path(config_rdzv) / run_id
+    wanted = {_HB_NAME.sub("_", n)[:200]: n for n in summary_nodes}
+    for hb in root.glob("epoch.*/hb/*"):
+        name = wanted.get(hb.name)
+        if name is None:
+            continue
+        try:
+            mtime = hb.lstat().st_mtime
+        except OSError:
+            continue
+        out[name] = max(out.get(name, 0.0), mtime)
+    return out
+
+
+def _slurm_tasks(job: str, client: SlurmClient) -> tuple[list[SlurmTask], str | None]:
+    try:
+        infos = client.job_infos(job)
+    except SlurmError as exc:
+        return [], str(exc).splitlines()[0][:200]
+    tasks = [
+        SlurmTask(
+            ref=i.ref if i.array_task_id is not None or i.array_job_id is None else f"{i.job_id}*",
+            state=i.state.value,
+            nodes=i.node_list,
+            restarts=i.restarts,
+            reason=i.reason,
+        )
+        for i in infos
+    ]
+    return sorted(tasks, key=lambda t: t.ref), None
+
+
+def collect(
+    location: RunLocation, client: SlurmClient | None = None, *, slurm: bool = True
+) -> RunSummary:
+    """Read the run's events (and Slurm's task states) into a summary."""
+    evs = list(ev.read_events(location.events_dir))
+    rdzv = None
+    for e in evs:
+        if isinstance(e, ev.AgentStart):
+            rdzv = e.config.get("rdzv_endpoint") or rdzv
+    names = [e.node for e in evs if isinstance(e, ev.RendezvousComplete)]
+    tasks: list[SlurmTask] = []
+    error = None
+    if slurm and location.slurm_job is not None:
+        tasks, error = _slurm_tasks(location.slurm_job, client or SlurmClient())
+    return summarize_run(
+        location.run_id,
+        str(location.events_dir),
+        evs,
+        heartbeats=_heartbeats(names, rdzv, location.run_id),
+        slurm_job=location.slurm_job,
+        slurm_tasks=tasks,
+        slurm_error=error,
+    )
+
+
+def progress_line(s: RunSummary) -> str:
+    """One line: elapsed, state, world size, step (and a bar when the total is known)."""
+    parts = [f"{format_duration(s.elapsed_s):>7}", f"{s.state:<9}"]
+    parts.append(f"world {s.world_nodes} node(s)/{s.world_workers} worker(s)")
+    if s.fraction is not None:
+        parts.append(f"{_bar(s.fraction)} step {s.step}/{s.total_steps}")
+    elif s.step is not None:
+        parts.append(f"step {s.step}")
+    if s.steps_per_s:
+        parts.append(f"{s.steps_per_s:.2f} steps/s")
+    return "  ".join(parts)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*r) for r in rows
+    ]
+
+
+def render_table(s: RunSummary) -> str:
+    """The human-readable status of one run."""
+    ckpt = s.checkpoint
+    lines = [
+        f"run {s.run_id}   state {s.state}   elapsed {format_duration(s.elapsed_s)}"
+        + ("" if s.ended is None else " (ended)"),
+        f"round {s.round if s.round is not None else '-'}   world "
+        f"{s.world_nodes} node(s) / {s.world_workers} worker(s)",
+    ]
+    if s.fraction is not None:
+        lines.append(f"progress {_bar(s.fraction)}  step {s.step}/{s.total_steps}")
+    elif s.step is not None:
+        lines.append(f"progress step {s.step}")
+    speed = "-" if s.steps_per_s is None else f"{s.steps_per_s:.2f} steps/s"
+    if s.samples_per_s is not None:
+        speed += f", {s.samples_per_s:.1f} samples/s"
+    lines.append(f"throughput {speed} (last {THROUGHPUT_WINDOW_S:.0f} s)")
+    lines.append(
+        "last checkpoint "
+        + ("-" if ckpt is None else f"step {ckpt.step}, {format_duration(s.now - ckpt.time)} ago")
+        + f"   ({len(s.checkpoints)} saved)"
+    )
+    lines.append("")
+    rows = [
+        [
+            n.key,
+            n.name,
+            n.job or "-",
+            n.state,
+            "-" if n.rank is None else str(n.rank),
+            str(n.restarts),
+            str(n.requeues),
+            "-" if n.last_heartbeat is None else f"{format_duration(s.now - n.last_heartbeat)} ago",
+        ]
+        for n in s.nodes.values()
+    ]
+    lines += _table(
+        ["NODE", "HOST", "SLURM JOB", "STATE", "RANK", "RESTARTS", "REQUEUES", "LAST HEARTBEAT"],
+        rows,
+    )
+    if s.slurm_job is not None:
+        lines.append("")
+        if s.slurm_tasks:
+            lines += _table(
+                ["SLURM TASK", "STATE", "NODES", "RESTARTS", "REASON"],
+                [
+                    [
+                        t.ref,
+                        t.state,
+                        t.nodes or "-",
+                        "-" if t.restarts is None else str(t.restarts),
+                        t.reason or "-",
+                    ]
+                    for t in s.slurm_tasks
+                ],
+            )
+        else:
+            lines.append(f"slurm job {s.slurm_job}: {s.slurm_error or 'no record'}")
+    if s.unknown_events:
+        lines.append(f"({s.unknown_events} event(s) of kinds this version does not know)")
+    lines.append(f"events: {s.events_dir}")
+    return "\n".join(lines) + "\n"
+
+
+class ProgressPrinter:
+    """Prints :func:`progress_line` of a run while something waits for it.
+
+    On a terminal the line is redrawn in place; otherwise a line is printed when state,
+    world size or progress decile change, and at least every ``every_s`` seconds.
+    """
+
+    def __init__(self, out: TextIO | None = None, every_s: float = 30.0) -> None:
+        self.out = sys.stdout if out is None else out
+        self.every_s = every_s
+        self._last_key: tuple[Any, ...] | None = None
+        self._last_time = 0.0
+        self._tty = bool(getattr(self.out, "isatty", lambda: False)())
+
+    def show(self, line: str, key: tuple[Any, ...]) -> None:
+        """Print ``line`` (key: what counts as a change for non-terminal output)."""
+        if self._tty:
+            self.out.write("\r\x1b[K" + line)
+            self.out.flush()
+            return
+        now = time.monotonic()
+        if key != self._last_key or now - self._last_time >= self.every_s:
+            self.out.write(line + "\n")
+            self.out.flush()
+            self._last_key, self._last_time = key, now
+
+    def summary(self, s: RunSummary) -> None:
+        """Show the progress of a summarized run."""
+        decile = None if s.fraction is None else int(s.fraction * 10)
+        self.show(progress_line(s), (s.state, s.world_nodes, decile))
+
+    def end(self) -> None:
+        """Finish the in-place line (terminal only)."""
+        if self._tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def run_status(
+    job: str,
+    *,
+    as_json: bool = False,
+    watch: bool = False,
+    interval_s: float = 2.0,
+    client: SlurmClient | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """``slurm-elastic status``; returns the exit status (0).
+
+    Raises:
+        RunNotFoundError: ``job`` names no run.
+    """
+    stream = sys.stdout if out is None else out
+    location = locate(job, client)
+    if not watch:
+        summary = collect(location, client)
+        if as_json:
+            stream.write(json.dumps(summary.to_json(), indent=2, sort_keys=True) + "\n")
+        else:
+            stream.write(render_table(summary))
+        return 0
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    try:
+        while True:
+            summary = collect(location, client)
+            if as_json:
+                stream.write(json.dumps(summary.to_json(), sort_keys=True) + "\n")
+            else:
+                if tty:
+                    stream.write("\x1b[H\x1b[2J")
+                stream.write(progress_line(summary) + "\n" + render_table(summary) + "\n")
+            stream.flush()
+            if summary.state in ("COMPLETED", "FAILED", "CANCELLED"):
+                return 0
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0
+
+
+class WaitProgress:
+    """The ``submit --wait`` progress: call it with ``(job_id, state)`` at each poll."""
+
+    def __init__(self, out: TextIO | None = None, client: SlurmClient | None = None) -> None:
+        self._printer = ProgressPrinter(out)
+        self._started = time.monotonic()
+        self._client = client
+        self._location: RunLocation | None = None
+
+    def __call__(self, job_id: str, state: str) -> None:
+        if self._location is None:
+            # the run index knows the run once its first agent started
+            with contextlib.suppress(SlurmElasticError):
+                self._location = locate(job_id, self._client or SlurmClient())
+        waited = time.monotonic() - self._started
+        if self._location is None:
+            self._printer.show(f"{format_duration(waited):>7}  {state:<9}  world -", (state,))
+            return
+        s = collect(self._location, slurm=False)
+        s.state = state
+        if s.started is None:
+            s.started = s.now - waited
+        self._printer.summary(s)
+
+    def end(self) -> None:
+        """Finish the progress line."""
+        self._printer.end()

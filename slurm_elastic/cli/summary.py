@@ -1,0 +1,402 @@
+"""Fold a run's events (and Slurm's view of its tasks) into what status and timeline show.
+
+:func:`summarize_run` is pure: events in, :class:`RunSummary` out (the Slurm tasks are
+passed in), so it is tested on recorded event files. :meth:`RunSummary.to_json` is the
+stable ``slurm-elastic status --json`` schema documented in ``docs/operability.md``.
+
+A *node* is one agent slot of the job: an array task (``12_3``, stable across requeues,
+whatever host it lands on), else a host (one agent per node of an allocation), else, for
+local runs where every agent shares one host, one agent process (``host:pid``). Agent and
+rendezvous events are attributed to a node through the ``agent.start`` event of the
+process that wrote them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slurm_elastic import events as ev
+
+__all__ = [
+    "STATUS_SCHEMA",
+    "Interval",
+    "NodeSummary",
+    "RunSummary",
+    "SlurmTask",
+    "summarize_run",
+]
+
+#: The ``schema`` value of ``status --json``; bumped only by an incompatible change.
+STATUS_SCHEMA = "slurm-elastic.status/1"
+
+#: Throughput is averaged over the progress reports of this many last seconds.
+THROUGHPUT_WINDOW_S = 60.0
+
+_EXIT_STATES = {
+    "FINISHED": "finished",
+    "PREEMPTED_REQUEUED": "requeued",
+    "PREEMPTED": "preempted",
+    "TERMINATED": "terminated",
+}
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """Slurm's view of one task of the job (from the SlurmClient seam)."""
+
+    ref: str
+    state: str
+    nodes: str = ""
+    restarts: int | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A node's workers were in a training world from ``start`` to ``end``."""
+
+    start: float
+    end: float | None  # None: still in it
+    world_nodes: int
+
+
+@dataclass
+class NodeSummary:
+    """One node of the run (see the module docstring)."""
+
+    key: str
+    name: str = ""
+    job: str | None = None
+    state: str = "starting"
+    rank: int | None = None
+    restarts: int = 0
+    requeues: int = 0
+    preemptions: int = 0
+    last_seen: float | None = None
+    last_heartbeat: float | None = None
+    intervals: list[Interval] = field(default_factory=list)
+
+    def _close(self, when: float) -> None:
+        if self.intervals and self.intervals[-1].end is None:
+            last = self.intervals[-1]
+            self.intervals[-1] = Interval(last.start, when, last.world_nodes)
+
+
+@dataclass
+class RunSummary:
+    """Everything ``status`` prints and ``timeline`` draws."""
+
+    run_id: str
+    events_dir: str
+    now: float
+    state: str = "UNKNOWN"
+    started: float | None = None
+    ended: float | None = None
+    round: int | None = None
+    world_nodes: int = 0
+    world_workers: int = 0
+    step: int | None = None
+    total_steps: int | None = None
+    steps_per_s: float | None = None
+    samples_per_s: float | None = None
+    checkpoint: ev.CheckpointSaved | None = None
+    checkpoints: list[ev.CheckpointSaved] = field(default_factory=list)
+    nodes: dict[str, NodeSummary] = field(default_factory=dict)
+    agents: dict[tuple[str, int], str] = field(default_factory=dict)  # (host, pid) -> node
+    world_series: list[tuple[float, int]] = field(default_factory=list)
+    throughput_series: list[tuple[float, float]] = field(default_factory=list)  # NaN: gap
+    marks: list[tuple[float, str, str]] = field(default_factory=list)  # time, node key, what
+    slurm_job: str | None = None
+    slurm_tasks: list[SlurmTask] = field(default_factory=list)
+    slurm_error: str | None = None
+    unknown_events: int = 0
+    event_count: int = 0
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from the first event to the end (or to now while running)."""
+        if self.started is None:
+            return None
+        return (self.ended if self.ended is not None else self.now) - self.started
+
+    @property
+    def fraction(self) -> float | None:
+        """Training progress 0..1 when the events carry a total, else ``None``."""
+        if self.step is None or not self.total_steps:
+            return None
+        return max(0.0, min(1.0, self.step / self.total_steps))
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``status --json`` document (schema :data:`STATUS_SCHEMA`)."""
+        ckpt = self.checkpoint
+        return {
+            "schema": STATUS_SCHEMA,
+            "run_id": self.run_id,
+            "events_dir": self.events_dir,
+            "state": self.state,
+            "now": self.now,
+            "started": self.started,
+            "ended": self.ended,
+            "elapsed_s": self.elapsed_s,
+            "round": self.round,
+            "world": {"nodes": self.world_nodes, "workers": self.world_workers},
+            "progress": {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "fraction": self.fraction,
+            },
+            "throughput": {
+                "steps_per_s": self.steps_per_s,
+                "samples_per_s": self.samples_per_s,
+                "window_s": THROUGHPUT_WINDOW_S,
+            },
+            "checkpoint": None
+            if ckpt is None
+            else {
+                "step": ckpt.step,
+                "path": ckpt.path,
+                "time": ckpt.time,
+                "age_s": self.now - ckpt.time,
+            },
+            "counts": {
+                "restarts": sum(n.restarts for n in self.nodes.values()),
+                "preemptions": sum(n.preemptions for n in self.nodes.values()),
+                "requeues": sum(1 for _, _, what in self.marks if what == "requeue"),
+                "checkpoints": len(self.checkpoints),
+                "events": self.event_count,
+                "unknown_events": self.unknown_events,
+            },
+            "nodes": [
+                {
+                    "node": n.key,
+                    "host": n.name,
+                    "job": n.job,
+                    "state": n.state,
+                    "rank": n.rank,
+                    "restarts": n.restarts,
+                    "requeues": n.requeues,
+                    "last_heartbeat": n.last_heartbeat,
+                    "last_heartbeat_age_s": None
+                    if n.last_heartbeat is None
+                    else self.now - n.last_heartbeat,
+                }
+                for n in self.nodes.values()
+            ],
+            "slurm": None
+            if self.slurm_job is None
+            else {
+                "job": self.slurm_job,
+                "error": self.slurm_error,
+                "tasks": [
+                    {
+                        "ref": t.ref,
+                        "state": t.state,
+                        "nodes": t.nodes,
+                        "restarts": t.restarts,
+                        "reason": t.reason,
+                    }
+                    for t in self.slurm_tasks
+                ],
+            },
+        }
+
+
+def _node_key(start: ev.AgentStart, shared_hosts: set[str]) -> str:
+    if start.job and "_" in start.job:
+        return start.job
+    if start.host in shared_hosts:
+        return f"{start.host}:{start.pid}"
+    return start.host
+
+
+def _throughput(
+    progress: Sequence[ev.TrainProgress], now: float
+) -> tuple[float | None, float | None, list[tuple[float, float]]]:
+    """(steps/s, samples/s) over the last window, and the steps/s series."""
+    series: list[tuple[float, float]] = []
+    for a, b in itertools.pairwise(progress):
+        dt, ds = b.time - a.time, b.step - a.step
+        if a.pid != b.pid:  # a new worker (restart): a gap, not a line across it
+            series.append((b.time, math.nan))
+        elif dt > 0 and ds > 0:
+            series.append((b.time, ds / dt))
+    if not progress:
+        return None, None, series
+    last = progress[-1]
+    same = [p for p in progress if p.pid == last.pid and p.time >= last.time - THROUGHPUT_WINDOW_S]
+    if len(same) < 2 or same[-1].time <= same[0].time:
+        rates = [r for _, r in series if not math.isnan(r)]
+        return (rates[-1] if rates else None), None, series
+    dt = same[-1].time - same[0].time
+    steps = (same[-1].step - same[0].step) / dt
+    samples = None
+    if same[-1].samples is not None and same[0].samples is not None:
+        samples = (same[-1].samples - same[0].samples) / dt
+    return steps, samples, series
+
+
+def summarize_run(
+    run_id: str,
+    events_dir: str,
+    events: Iterable[ev.Event],
+    *,
+    now: float | None = None,
+    heartbeats: dict[str, float] | None = None,
+    slurm_job: str | None = None,
+    slurm_tasks: Sequence[SlurmTask] = (),
+    slurm_error: str | None = None,
+) -> RunSummary:
+    """Fold ``events`` (ordered by time) into a :class:`RunSummary`.
+
+    Args:
+        heartbeats: rendezvous node name -> mtime of its heartbeat file, when readable.
+        slurm_tasks: Slurm's records of the job's tasks (empty for local runs).
+    """
+    evs = list(events)
+    out = RunSummary(run_id=run_id, events_dir=events_dir, now=time.time() if now is None else now)
+    out.event_count = len(evs)
+    out.slurm_job, out.slurm_tasks, out.slurm_error = slurm_job, list(slurm_tasks), slurm_error
+    if evs:
+        out.started = evs[0].time
+    starts = [e for e in evs if isinstance(e, ev.AgentStart)]
+    hosts: dict[str, set[int]] = {}
+    for s in starts:
+        if not (s.job and "_" in s.job):
+            hosts.setdefault(s.host, set()).add(s.pid)
+    shared = {
+        h
+        for h, pids in hosts.items()
+        if len(pids) > 1 and not any(s.job for s in starts if s.host == h)
+    }
+    proc_node: dict[tuple[str, int], NodeSummary] = {}
+    rdzv_name: dict[str, NodeSummary] = {}
+    progress: list[ev.TrainProgress] = []
+    alive: set[tuple[str, int]] = set()
+    for e in evs:
+        if isinstance(e, ev.UnknownEvent):
+            out.unknown_events += 1
+            continue
+        if isinstance(e, ev.AgentStart):
+            key = _node_key(e, shared)
+            started = out.nodes.setdefault(key, NodeSummary(key=key))
+            started.name, started.job, started.state = e.host, e.job, "starting"
+            started.requeues = max(started.requeues, e.requeue_count)
+            proc_node[(e.host, e.pid)] = started
+            out.agents[(e.host, e.pid)] = key
+            alive.add((e.host, e.pid))
+            continue
+        node = proc_node.get((e.host, e.pid))
+        if node is not None:
+            node.last_seen = e.time
+        if isinstance(e, ev.RendezvousComplete):
+            out.round = e.round
+            rdzv_name[e.node] = node if node is not None else NodeSummary(key=e.node)
+            if node is not None:
+                node.rank, node.state = e.rank, "joined"
+        elif isinstance(e, ev.WorkersStarted):
+            out.world_nodes, out.world_workers = e.group_world_size, e.world_size
+            if not out.world_series or out.world_series[-1][1] != e.group_world_size:
+                out.world_series.append((e.time, e.group_world_size))
+            if node is not None:
+                node._close(e.time)
+                node.intervals.append(Interval(e.time, None, e.group_world_size))
+                node.state = "training"
+        elif isinstance(e, ev.AgentRestart) and node is not None:
+            node._close(e.time)
+            node.restarts += 1
+            node.state = "restarting"
+            out.marks.append((e.time, node.key, "restart"))
+        elif isinstance(e, ev.AgentHang) and node is not None:
+            out.marks.append((e.time, node.key, "hang"))
+        elif isinstance(e, ev.AgentSignal) and node is not None:
+            node._close(e.time)
+            if e.notice:
+                node.preemptions += 1
+                node.state = "preempting"
+                out.marks.append((e.time, node.key, "preempt"))
+            else:
+                node.state = f"signalled ({e.signal})"
+        elif isinstance(e, ev.RendezvousLeft) and node is not None:
+            node.state = "left"
+        elif isinstance(e, ev.RendezvousEvicted):
+            for name in e.nodes:
+                gone = rdzv_name.get(name)
+                if gone is not None:
+                    gone._close(e.time)
+                    gone.state = "evicted"
+                    out.marks.append((e.time, gone.key, "evicted"))
+        elif isinstance(e, ev.AgentRequeued) and node is not None:
+            node.state = "requeued"
+            out.marks.append((e.time, node.key, "requeue"))
+        elif isinstance(e, ev.WorkersSucceeded) and node is not None:
+            node._close(e.time)
+            node.state = "finished"
+        elif isinstance(e, ev.AgentGaveUp) and node is not None:
+            node.state = "failed"
+        elif isinstance(e, ev.AgentExit) and node is not None:
+            node._close(e.time)
+            alive.discard((e.host, e.pid))
+            if node.state != "requeued" or e.code != "PREEMPTED_REQUEUED":
+                node.state = _EXIT_STATES.get(e.code, f"exited {e.code}".strip())
+        elif isinstance(e, ev.CheckpointSaved):
+            out.checkpoint = e
+            out.checkpoints.append(e)
+            out.marks.append((e.time, "", "checkpoint"))
+            out.step = e.step if out.step is None else max(out.step, e.step)
+        elif isinstance(e, ev.TrainStart):
+            out.step = e.step
+            out.total_steps = e.total_steps or out.total_steps
+        elif isinstance(e, ev.TrainProgress):
+            progress.append(e)
+            out.step = e.step
+            out.total_steps = e.total_steps or out.total_steps
+        elif isinstance(e, ev.TrainDone):
+            out.step = e.step if out.step is None else max(out.step, e.step)
+    for name, mtime in (heartbeats or {}).items():
+        beating = rdzv_name.get(name)
+        if beating is not None and beating.key in out.nodes:
+            beating.last_heartbeat = max(mtime, beating.last_heartbeat or 0.0)
+    for node in out.nodes.values():
+        if node.last_heartbeat is None:
+            node.last_heartbeat = node.last_seen
+    out.steps_per_s, out.samples_per_s, out.throughput_series = _throughput(progress, out.now)
+    if not progress and len(out.checkpoints) >= 2:  # no progress reports: use checkpoints
+        a, b = out.checkpoints[-2], out.checkpoints[-1]
+        if b.time > a.time and b.step > a.step:
+            out.steps_per_s = (b.step - a.step) / (b.time - a.time)
+    out.state = _state(out, alive, evs)
+    if out.state not in ("RUNNING", "PENDING", "UNKNOWN") and evs:
+        out.ended = evs[-1].time
+        if out.world_series and out.world_series[-1][1] != 0:
+            out.world_series.append((evs[-1].time, 0))
+    return out
+
+
+def _state(out: RunSummary, alive: set[tuple[str, int]], evs: list[ev.Event]) -> str:
+    """The run's state: Slurm's summary when known, else from the agents' exits."""
+    if out.slurm_tasks:
+        from slurm_elastic.slurm.jobstate import job_state_from_slurm
+        from slurm_elastic.submit.job import SLURM_STATES, JobState, summarize
+
+        states = [
+            SLURM_STATES.get(job_state_from_slurm(t.state), JobState.UNKNOWN)
+            for t in out.slurm_tasks
+        ]
+        return summarize(states).value
+    if not evs:
+        return "PENDING" if out.slurm_job else "UNKNOWN"
+    if alive:
+        return "RUNNING"
+    codes = [e.code for e in evs if isinstance(e, ev.AgentExit)]
+    if any(n.state == "requeued" for n in out.nodes.values()) and "FINISHED" not in codes:
+        return "PENDING"  # a requeued task will come back
+    if "FINISHED" in codes:
+        return "COMPLETED"
+    if codes and all(c in ("PREEMPTED", "TERMINATED") for c in codes):
+        return "CANCELLED"
+    return "FAILED" if codes else "UNKNOWN"

@@ -1,0 +1,217 @@
+"""``slurm-elastic timeline JOB -o timeline.png``: one picture of a run.
+
+Three panels sharing the time axis (minutes since the run's first event):
+
+1. **membership**: a lane per node; a bar while the node's workers are in the training
+   world (coloured by the world's size in nodes), marks for restarts, preemption
+   notices, requeues, evictions and hangs, and a thin line per committed checkpoint;
+2. **world size** (nodes) over time;
+3. **throughput** (steps/s from the training's progress reports).
+
+Needs matplotlib (the ``plot`` extra: ``pip install 'slurm-elastic[plot]'``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TextIO
+
+from slurm_elastic.cli.runs import locate
+from slurm_elastic.cli.summary import RunSummary
+from slurm_elastic.errors import SlurmElasticError
+from slurm_elastic.slurm.commands import SlurmClient
+
+__all__ = ["draw_timeline", "run_timeline"]
+
+_MARKS = {  # what -> (marker, colour, label)
+    "restart": ("o", "#ff7f0e", "worker restart"),
+    "preempt": ("v", "#d62728", "preemption notice"),
+    "requeue": ("^", "#9467bd", "requeued"),
+    "evicted": ("X", "#000000", "evicted (heartbeats lost)"),
+    "hang": ("s", "#8c564b", "hang detected"),
+}
+
+
+def _world_colour(nodes: int, most: int) -> Any:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"]
+    return cmap(0.25 + 0.6 * (nodes / max(1, most)))
+
+
+def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
+    """Draw the timeline of a summarized run into ``output`` (PNG, SVG, PDF by suffix).
+
+    Raises:
+        SlurmElasticError: matplotlib is missing, or the run has no events.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ImportError as exc:
+        raise SlurmElasticError(
+            "timeline needs matplotlib: pip install 'slurm-elastic[plot]'"
+        ) from exc
+    if s.started is None:
+        raise SlurmElasticError(
+            f"run {s.run_id} has no events yet ({s.events_dir}); nothing to draw"
+        )
+    t0 = s.started
+    end = s.ended if s.ended is not None else s.now
+    span_min = max((end - t0) / 60.0, 1e-3)
+
+    def m(t: float) -> float:
+        return (t - t0) / 60.0
+
+    nodes = list(s.nodes.values())
+    most = max([n for _, n in s.world_series] + [1])
+    lane_h = 0.6
+    fig_h = 2.4 + 0.45 * max(len(nodes), 1) + 3.2
+    fig, (ax_n, ax_w, ax_t) = plt.subplots(
+        3,
+        1,
+        sharex=True,
+        figsize=(11, fig_h),
+        gridspec_kw={"height_ratios": [max(2.0, 0.55 * len(nodes) + 0.8), 1.2, 1.4]},
+    )
+    title = f"run {s.run_id}: {s.state}, {span_min:.1f} min"
+    if s.step is not None:
+        title += f", step {s.step}" + (f"/{s.total_steps}" if s.total_steps else "")
+    fig.suptitle(title, fontsize=13, fontweight="bold")
+
+    # -- membership lanes ----------------------------------------------------------------
+    labels = []
+    for i, node in enumerate(nodes):
+        y = len(nodes) - 1 - i
+        label = (
+            node.key if node.name in ("", *node.key.split(":")) else f"{node.key}\n({node.name})"
+        )
+        labels.append((y, label))
+        for iv in node.intervals:
+            stop = iv.end if iv.end is not None else end
+            ax_n.broken_barh(
+                [(m(iv.start), max(m(stop) - m(iv.start), span_min / 400))],
+                (y - lane_h / 2, lane_h),
+                facecolors=_world_colour(iv.world_nodes, most),
+                edgecolor="white",
+                linewidth=0.5,
+            )
+    key_y = {node.key: len(nodes) - 1 - i for i, node in enumerate(nodes)}
+    used = set()
+    for when, key, what in s.marks:
+        if what == "checkpoint":
+            ax_n.axvline(m(when), color="#2ca02c", alpha=0.35, linewidth=0.8, zorder=0)
+            continue
+        if key not in key_y or what not in _MARKS:
+            continue
+        marker, colour, _ = _MARKS[what]
+        ax_n.plot(
+            m(when),
+            key_y[key] + lane_h / 2 + 0.12,
+            marker=marker,
+            color=colour,
+            markersize=9,
+            markeredgecolor="white",
+            linestyle="none",
+            zorder=5,
+        )
+        used.add(what)
+    ax_n.set_yticks([y for y, _ in labels], [lab for _, lab in labels], fontsize=9)
+    ax_n.set_ylim(-0.8, len(nodes) - 0.2 + 0.35)
+    ax_n.set_title("nodes: in the training world (colour = world size)", loc="left", fontsize=10)
+    ax_n.grid(axis="x", alpha=0.3)
+    handles: list[Any] = [
+        Patch(facecolor=_world_colour(n, most), label=f"world of {n} node(s)")
+        for n in sorted({iv.world_nodes for node in nodes for iv in node.intervals})
+    ]
+    handles += [
+        Line2D(
+            [],
+            [],
+            marker=_MARKS[w][0],
+            color=_MARKS[w][1],
+            linestyle="none",
+            markersize=8,
+            label=_MARKS[w][2],
+        )
+        for w in _MARKS
+        if w in used
+    ]
+    if s.checkpoints:
+        handles.append(
+            Line2D([], [], color="#2ca02c", alpha=0.6, label=f"checkpoint ({len(s.checkpoints)})")
+        )
+    ax_n.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+    )
+
+    # -- world size ----------------------------------------------------------------------
+    if s.world_series:
+        xs = [m(t) for t, _ in s.world_series] + [m(end)]
+        ys = [n for _, n in s.world_series] + [s.world_series[-1][1]]
+        ax_w.step(xs, ys, where="post", color="#1f77b4", linewidth=2)
+        ax_w.fill_between(xs, ys, step="post", alpha=0.15, color="#1f77b4")
+    ax_w.set_ylabel("nodes")
+    ax_w.set_ylim(0, most + 0.6)
+    ax_w.set_yticks(range(0, most + 1))
+    ax_w.set_title("world size", loc="left", fontsize=10)
+    ax_w.grid(alpha=0.3)
+
+    # -- throughput ----------------------------------------------------------------------
+    if s.throughput_series:
+        xs = [m(t) for t, _ in s.throughput_series]
+        rates = [v for _, v in s.throughput_series]
+        ax_t.plot(xs, rates, color="#ff7f0e", marker=".", linewidth=1.2)
+        finite = [r for r in rates if r == r]  # NaN marks a worker restart: a gap
+        ax_t.set_ylim(0, max([*finite, 1e-9]) * 1.2)
+    else:
+        ax_t.text(
+            0.5,
+            0.5,
+            "no progress reports (emit events.TrainProgress from the training loop)",
+            ha="center",
+            va="center",
+            transform=ax_t.transAxes,
+            color="grey",
+        )
+    ax_t.set_ylabel("steps/s")
+    ax_t.set_title("throughput", loc="left", fontsize=10)
+    ax_t.grid(alpha=0.3)
+    ax_t.set_xlabel("minutes since the run started")
+    ax_t.set_xlim(-span_min * 0.01, span_min * 1.01)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def run_timeline(
+    job: str,
+    output: str,
+    *,
+    client: SlurmClient | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """``slurm-elastic timeline``; returns the exit status (0).
+
+    Raises:
+        RunNotFoundError: ``job`` names no run.
+        SlurmElasticError: no matplotlib, no events, or ``output``'s directory is missing.
+    """
+    from slurm_elastic.cli.status import collect
+
+    directory = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(directory):
+        raise SlurmElasticError(
+            f"-o {output!r}: directory {directory!r} does not exist; create it or choose "
+            "another path"
+        )
+    summary = collect(locate(job, client), client)
+    draw_timeline(summary, output)
+    stream = sys.stdout if out is None else out
+    stream.write(f"{os.path.abspath(output)}\n")
+    return 0
