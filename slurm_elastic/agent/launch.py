@@ -277,6 +277,27 @@ def _worker_environment(
     return {k: str(v) for k, v in values.items() if v is not None}
 
 
+class _RoundLogsSpecs(DefaultLogsSpecs):
+    """torch's log layout, one ``attempt_<n>`` directory per round, none overwritten.
+
+    torch names a round's directory after ``TORCHELASTIC_RESTART_COUNT`` and deletes it
+    first; a restart not charged to ``max_restarts`` (a membership change) reuses the
+    count and would wipe the previous round's logs. Here ``n`` counts rounds instead (the
+    workers' environment is unchanged).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._rounds = 0
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+        numbered = {
+            r: {**e, "TORCHELASTIC_RESTART_COUNT": str(self._rounds)} for r, e in envs.items()
+        }
+        self._rounds += 1
+        return super().reify(numbered)
+
+
 def _worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path | None, str, str]:
     """Where the workers' output goes: per-rank files kept across restarts and requeues.
 
@@ -372,7 +393,7 @@ def _run(
 
     agent = SlurmElasticAgent(
         spec=spec,
-        logs_specs=DefaultLogsSpecs(
+        logs_specs=_RoundLogsSpecs(
             log_dir=str(log_dir) if log_dir else None,
             redirects=Std.from_str(redirects),
             tee=Std.from_str(tee),

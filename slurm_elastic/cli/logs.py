@@ -108,7 +108,7 @@ def run_logs(
     client: SlurmClient | None = None,
     out: TextIO | None = None,
 ) -> int:
-    """``slurm-elastic logs``; returns the exit status (0, or 1 when nothing matched).
+    """``slurm-elastic logs``; returns the exit status (0, or 1 when no log file matched).
 
     Raises:
         RunNotFoundError: ``job`` names no run.
@@ -118,11 +118,12 @@ def run_logs(
     stream = sys.stdout if out is None else out
     location = locate(job, client)
     tail = _Tail(stream)
-    printed_any = False
+    matched = False
     while True:
         sources = [s for s in log_sources(location) if _matches(s, node, rank)]
+        matched |= bool(sources)
         for src in sources:
-            printed_any |= tail.pump(src) > 0 or src.path in tail.offsets
+            tail.pump(src)
         if not follow:
             break
         if collect(location, client).state in ("COMPLETED", "FAILED", "CANCELLED"):
@@ -133,7 +134,7 @@ def run_logs(
             time.sleep(interval_s)
         except KeyboardInterrupt:
             break
-    if not printed_any:
+    if not matched:
         what = "".join(
             [f" --node {node}" if node else "", f" --rank {rank}" if rank is not None else ""]
         )

@@ -1,0 +1,147 @@
+"""Typed events: one dataclass per kind, schema version, unknown kinds kept, safe files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic import events
+from slurm_elastic.events import (
+    EVENT_TYPES,
+    SCHEMA_VERSION,
+    CheckpointSaved,
+    UnknownEvent,
+    WorkersStarted,
+    emit,
+    event_from_record,
+    read_events,
+)
+
+
+@pytest.fixture
+def sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "events"
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(directory))
+    monkeypatch.setenv("SLURM_ELASTIC_RUN_ID", "run7")
+    monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    return directory
+
+
+def test_every_kind_is_one_registered_dataclass_that_round_trips() -> None:
+    assert len(EVENT_TYPES) >= 20
+    for kind, cls in EVENT_TYPES.items():
+        assert cls.kind == kind and dataclasses.is_dataclass(cls)
+        event = cls(time=1.5, host="h", pid=3, run_id="r")  # every field has a default
+        back = event_from_record(json.loads(json.dumps(event.to_record())))
+        assert type(back) is cls and back == event, kind
+
+
+def test_emit_writes_a_typed_versioned_record_0600_and_read_returns_the_type(sink: Path) -> None:
+    emit(CheckpointSaved(step=100, path="/c/step_100", bytes=10, seconds=0.5))
+    (path,) = sink.glob("*.jsonl")
+    assert path.name == f"node3.{os.getpid()}.jsonl"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    record = json.loads(path.read_text())
+    assert record["v"] == SCHEMA_VERSION and record["kind"] == "checkpoint.saved"
+    assert (record["host"], record["run_id"], record["step"]) == ("node3", "run7", 100)
+    (event,) = read_events(sink)
+    assert isinstance(event, CheckpointSaved)
+    assert (event.step, event.path, event.format, event.run_id) == (
+        100,
+        "/c/step_100",
+        "replicated",
+        "run7",
+    )
+    assert event["step"] == 100 and event.get("nope", 5) == 5  # the record view still works
+
+
+def test_emit_by_kind_name_builds_the_typed_event_and_old_sharded_kind_field_is_format(
+    sink: Path,
+) -> None:
+    emit("checkpoint.saved", step=4, path="p", kind="sharded", note="x")
+    emit("train.start", step=0, world_size=4, rank=1, total_steps=50)
+    saved, start = read_events(sink)
+    assert isinstance(saved, CheckpointSaved) and saved.format == "sharded"
+    assert saved.extra == {"note": "x"} and saved["kind"] == "checkpoint.saved"
+    assert isinstance(start, events.TrainStart) and start.total_steps == 50
+
+
+def test_emit_does_not_follow_a_symlink_planted_at_its_file(sink: Path, tmp_path: Path) -> None:
+    sink.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (sink / f"node3.{os.getpid()}.jsonl").symlink_to(victim)
+    emit(WorkersStarted(group_world_size=2))  # never raises
+    assert victim.read_text() == "precious\n"
+
+
+def test_unknown_kinds_and_fields_of_a_newer_version_are_kept_torn_lines_skipped(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a.1.jsonl").write_text(
+        json.dumps(
+            {
+                "v": 9,
+                "kind": "agent.teleported",
+                "time": 2.0,
+                "host": "a",
+                "pid": 1,
+                "run_id": "r",
+                "to": "mars",
+            }
+        )
+        + "\n"
+        + json.dumps(
+            {
+                "v": 9,
+                "kind": "checkpoint.saved",
+                "time": 1.0,
+                "host": "a",
+                "pid": 1,
+                "run_id": "r",
+                "step": 3,
+                "tier": "nvme",
+            }
+        )
+        + "\n"
+        + "[1, 2]\n"
+        + '{"v": 1, "kind": "agent.exit", "ti'  # torn last line
+    )
+    (tmp_path / "b.2.jsonl").write_text('{"kind": "agent.start"}\n')  # no time: not an event
+    saved, unknown = read_events(tmp_path)  # ordered by time
+    assert isinstance(saved, CheckpointSaved) and saved.step == 3 and saved.v == 9
+    assert saved.extra == {"tier": "nvme"}
+    assert isinstance(unknown, UnknownEvent) and unknown.kind == "agent.teleported"
+    assert unknown.extra == {"to": "mars"}
+    assert unknown.to_record()["to"] == "mars" and unknown.to_record()["kind"] == "agent.teleported"
+
+
+def test_read_events_skips_a_symlinked_event_file(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"kind": "agent.exit", "time": 1.0, "code": "X"}) + "\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "x.1.jsonl").symlink_to(outside)
+    assert list(read_events(run)) == []
+
+
+def test_run_index_is_private_and_ignores_entries_it_cannot_trust(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    events.record_run("123", state_dir=tmp_path / "s", events_dir=tmp_path / "s" / "events" / "123")
+    entry = events.find_run("123")
+    assert entry is not None and entry.events_dir == str(tmp_path / "s" / "events" / "123")
+    path = events.run_index_dir() / "123.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert events.find_run("999") is None
+    (events.run_index_dir() / "456.json").symlink_to(path)
+    assert events.find_run("456") is None
+    if os.getuid() == 0:
+        os.chown(path, 65534, 65534)
+        assert events.find_run("123") is None
