@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -206,6 +207,13 @@ class RunSummary:
         }
 
 
+def _natural(key: str) -> list[Any]:
+    """``12_10`` after ``12_9``: digits compare as numbers."""
+    return [
+        (0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", key)
+    ]
+
+
 def _node_key(start: ev.AgentStart, shared_hosts: set[str]) -> str:
     if start.job and "_" in start.job:
         return start.job
@@ -364,6 +372,7 @@ def summarize_run(
     for node in out.nodes.values():
         if node.last_heartbeat is None:
             node.last_heartbeat = node.last_seen
+    out.nodes = dict(sorted(out.nodes.items(), key=lambda kv: _natural(kv[0])))
     out.steps_per_s, out.samples_per_s, out.throughput_series = _throughput(progress, out.now)
     if not progress and len(out.checkpoints) >= 2:  # no progress reports: use checkpoints
         a, b = out.checkpoints[-2], out.checkpoints[-1]

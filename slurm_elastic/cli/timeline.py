@@ -37,7 +37,7 @@ def _world_colour(nodes: int, most: int) -> Any:
     import matplotlib
 
     cmap = matplotlib.colormaps["viridis"]
-    return cmap(0.25 + 0.6 * (nodes / max(1, most)))
+    return cmap(0.1 + 0.8 * (nodes / max(1, most)))
 
 
 def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
