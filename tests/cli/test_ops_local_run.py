@@ -73,3 +73,57 @@ def test_submit_wait_shows_progress_then_status_logs_timeline_find_the_run(
     png = tmp_path / "timeline.png"
     assert main(["timeline", run_id, "-o", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_status_while_running_then_watch_until_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slurm_elastic.events import read_events
+    from slurm_elastic.submit import submit
+    from tests.helpers import wait_for
+
+    job = submit(
+        str(REPO / "examples" / "train_ddp.py"),
+        [
+            "--steps",
+            "150",
+            "--step-time",
+            "0.05",
+            "--save-every",
+            "50",
+            "--dataset-size",
+            "200",
+            "--global-batch",
+            "8",
+        ],
+        mode="elastic_array",
+        cluster="local",
+        folder=tmp_path / "job",
+        nnodes="2:2",
+        nproc_per_node=1,
+        heartbeat_interval_s=0.5,
+        last_call_timeout_s=1,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    with job:
+        events_dir = tmp_path / "job" / "state" / "events" / job.job_id
+        wait_for(
+            lambda: any(e.kind == "train.progress" for e in read_events(events_dir)),
+            120,
+            "training progress",
+            interval=0.2,
+        )
+        assert main(["status", str(tmp_path / "job"), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["state"] == "RUNNING" and doc["ended"] is None
+        assert doc["world"] == {"nodes": 2, "workers": 2}
+        assert [n["state"] for n in doc["nodes"]] == ["training", "training"]
+        assert 0 < doc["progress"]["step"] < 150 and doc["progress"]["total_steps"] == 150
+        # --watch redraws until the run ends, then returns
+        assert main(["status", job.job_id, "--watch", "--interval", "1"]) == 0
+        frames = capsys.readouterr().out.split("\nrun ")
+        assert len(frames) >= 2
+        assert "RUNNING" in frames[0] and "state COMPLETED" in frames[-1]
+        assert re.search(
+            r"\d+s +RUNNING +world 2 node\(s\)/2 worker\(s\) +\[[#.]+\] +\d+% step", frames[0]
+        )
