@@ -145,3 +145,28 @@ def test_run_index_is_private_and_ignores_entries_it_cannot_trust(
     if os.getuid() == 0:
         os.chown(path, 65534, 65534)
         assert events.find_run("123") is None
+
+
+SHARDED = """
+import sys, torch, torch.distributed as dist
+from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.checkpoint.sharded import load_sharded, save_sharded
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
+manager = CheckpointManager(sys.argv[1] + "/ckpt")
+state = {"w": torch.ones(3)}
+save_sharded(manager, state, 5)
+load_sharded(manager, state)
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_checkpoint_events_keep_their_kind(tmp_path: Path) -> None:
+    """The sharded save passed ``kind="sharded"``, which overwrote the record's kind: the
+    events said ``"kind": "sharded"`` instead of ``checkpoint.saved``/``loaded``."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, events.EVENTS_DIR_ENV: str(tmp_path / "ev"), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path)], env=env, check=True, timeout=120)
+    got = [(e.kind, e.get("step"), e.get("format")) for e in read_events(tmp_path / "ev")]
+    assert got == [("checkpoint.saved", 5, "sharded"), ("checkpoint.loaded", 5, "sharded")]
