@@ -136,6 +136,8 @@ def test_logs_prefix_every_line_and_filter_by_rank_and_node(
     assert capsys.readouterr().out.splitlines() == lines  # only rank 0 (on 17527) printed
     assert main(["logs", str(recorded_run), "--node", "vm:17529"]) == 0
     assert capsys.readouterr().out == ""
+    assert main(["logs", str(recorded_run), "--follow"]) == 0  # the run ended: it returns
+    assert capsys.readouterr().out.splitlines() == lines
     assert main(["logs", str(recorded_run), "--node", "nosuch"]) == 1
     assert "no logs for run" in capsys.readouterr().err
 
