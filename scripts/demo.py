@@ -33,8 +33,8 @@ from slurm_elastic.cli.status import run_status
 from slurm_elastic.cli.timeline import run_timeline
 from slurm_elastic.events import read_events
 from slurm_elastic.slurm.commands import SlurmClient
-from slurm_elastic.submit.render import render_template
 from slurm_elastic.submit import local, submit
+from slurm_elastic.submit.render import render_template
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_ddp.py"
