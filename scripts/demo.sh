@@ -4,7 +4,9 @@
 # (scripts/slurm-cluster; stopped again at the end unless KEEP_CLUSTER=1), then runs
 # scripts/demo.py: an elastic array job of examples/train_ddp.py on 1..4 nodes, one node
 # preempted mid-run and requeued, the world shrinking and growing back, the run finishing.
-# Without root (no cluster) the same training runs as local node agents instead.
+# Without root (no cluster) the same training runs as local node agents instead. Both end
+# with `slurm-elastic status` of the run and the path of its timeline PNG. A cluster that
+# was already running (e.g. the test suite's) is used and never stopped here.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
