@@ -355,11 +355,11 @@ def _run(
         return _after_signal(config, slurm, client, None, stop)
     except RendezvousClosedError as exc:  # a late agent of a run that has finished
         log.info("the run %s is already finished: nothing to do (%s)", config.run_id, exc)
-        events.emit("agent.exit", code=ExitCode.FINISHED.name)
+        events.emit(events.AgentExit(code=ExitCode.FINISHED.name))
         return ExitCode.FINISHED
     except (ConfigError, RendezvousSetupError) as exc:  # fix the config or the directory
         log.error("cannot set up the rendezvous: %s", exc)
-        events.emit("agent.exit", code=ExitCode.USAGE.name, error=str(exc))
+        events.emit(events.AgentExit(code=ExitCode.USAGE.name, error=str(exc)))
         return ExitCode.USAGE
     except (SlurmElasticError, RendezvousError, ValueError) as exc:
         log.error("cannot set up the rendezvous: %s", exc)
