@@ -32,6 +32,7 @@ Changed, and why:
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import logging
 import random
@@ -49,7 +50,13 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+
+from slurm_elastic import events
+from slurm_elastic.rendezvous.backend import BACKEND_NAME, FileRendezvousBackend
+from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
+from slurm_elastic.rendezvous.options import RendezvousOptions
+from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
+from slurm_elastic.rendezvous.torch_compat import (
     DynamicRendezvousHandler,
     RendezvousSettings,
     RendezvousTimeout,
@@ -63,12 +70,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
     _RendezvousState,
 )
-
-from slurm_elastic import events
-from slurm_elastic.rendezvous.backend import BACKEND_NAME, FileRendezvousBackend
-from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
-from slurm_elastic.rendezvous.options import RendezvousOptions
-from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
 
 __all__ = ["SlurmRendezvousHandler"]
@@ -80,6 +81,10 @@ log = logging.getLogger(__name__)
 _NEVER = timedelta(days=3650)
 _POLL_CAP_S = 0.25
 _SLOT_S = 0.005
+# What torch's join op sees as the last-call deadline once this node's own monotonic
+# measurement says it passed (or not): torch compares it with its wall clock.
+_PAST = datetime.min.replace(tzinfo=timezone.utc)
+_FUTURE = datetime.max.replace(tzinfo=timezone.utc)
 
 
 class _CounterStateHolder(_BackendRendezvousStateHolder):
@@ -115,6 +120,12 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         self._backend = backend
         self._poll_s = poll_s
         self._reform_grace_s = reform_grace_s
+        self._last_call: tuple[Any, float] | None = None
+        self._elapsed_at_decision: float | None = None
+
+    def elapsed_at_decision(self) -> float | None:
+        """:meth:`last_call_elapsed` of the state of the decision being made."""
+        return self._elapsed_at_decision
 
     def run(
         self,
@@ -137,7 +148,7 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
                 self._holder.invalidate()
                 self._holder.sync()
             self._state = self._holder.state
-            ctx = _RendezvousContext(self._node, self._state, self._settings)
+            ctx = _RendezvousContext(self._node, self._decision_view(self._state), self._settings)
             action = state_handler(ctx, deadline)
             if action == _Action.FINISH:
                 continue
@@ -187,14 +198,40 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         }
         handlers[action]()
 
+    def last_call_elapsed(self, state: _RendezvousState) -> float | None:
+        """Seconds since this node first saw the current last call (monotonic).
+
+        Torch writes the last-call deadline as the *writer's* wall-clock time and
+        compares it with the reader's. Here the deadline value only identifies a last
+        call: each node times it from its own first observation, on its own monotonic
+        clock, so neither clock skew between nodes nor a clock step matters (a node
+        that observes it later waits at most one poll interval longer).
+        """
+        if state.deadline is None or state.complete:
+            return None
+        key = (state.round, state.deadline)
+        if self._last_call is None or self._last_call[0] != key:
+            self._last_call = (key, time.monotonic())
+        return time.monotonic() - self._last_call[1]
+
+    def _decision_view(self, state: _RendezvousState) -> _RendezvousState:
+        """``state`` with its deadline replaced by this node's monotonic verdict."""
+        elapsed = self._elapsed_at_decision = self.last_call_elapsed(state)
+        if elapsed is None:
+            return state
+        view = copy.copy(state)  # shallow: torch's ops only read the context's state
+        due = elapsed >= self._settings.timeout.last_call.total_seconds()
+        view.deadline = _PAST if due else _FUTURE
+        return view
+
     def _wait_for_change(self, deadline: float) -> None:
         """Sleep until the state changes, 1 s passes, or a last-call deadline is due."""
         now = time.monotonic()
         wake = min(now + 1.0, deadline)
-        last_call = self._state.deadline
-        if last_call is not None:
-            due = (last_call - datetime.now(timezone.utc)).total_seconds()
-            early = due - self._settings.timeout.last_call.total_seconds() + self._reform_grace_s
+        elapsed = self.last_call_elapsed(self._state)
+        if elapsed is not None:
+            due = self._settings.timeout.last_call.total_seconds() - elapsed
+            early = self._reform_grace_s - elapsed
             for at in (due, early):
                 if at > 0:
                     wake = min(wake, now + at + 0.005)
@@ -222,8 +259,9 @@ class _ReformJoinOp(_RendezvousJoinOp):
     late joiner as usual (it waits and the members restart).
     """
 
-    def __init__(self, grace: timedelta) -> None:
-        self._grace = grace
+    def __init__(self, grace: timedelta, elapsed: Callable[[], float | None]) -> None:
+        self._grace = grace.total_seconds()
+        self._elapsed = elapsed
 
     def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
         state = ctx.state
@@ -235,8 +273,7 @@ class _ReformJoinOp(_RendezvousJoinOp):
             and not state.wait_list
             and ctx.node in state.participants
             and len(state.participants) >= ctx.settings.min_nodes
-            and datetime.now(timezone.utc)
-            >= state.deadline - ctx.settings.timeout.last_call + self._grace
+            and (self._elapsed() or 0.0) >= self._grace
         ):
             return _Action.MARK_RENDEZVOUS_COMPLETE
         return super().__call__(ctx, deadline)
@@ -308,7 +345,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         )
         super().__init__(node, settings, BACKEND_NAME, dist.HashStore(), holder)
         self._holder = holder
-        self._op_executor = _PollingOpExecutor(
+        self._op_executor = self._executor = _PollingOpExecutor(
             node,
             holder,
             settings,
@@ -325,7 +362,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._local_addr = local_addr
         self._node_name = repr(node)
         self._monitor = HeartbeatMonitor(
-            epoch.hb_dir,
+            epoch.hb,
             self._node_name,
             interval_s=options.heartbeat_interval_s,
             miss_limit=options.heartbeat_miss_limit,
@@ -482,7 +519,9 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             with self._heartbeat_lock:
                 self._op_executor.run(_RendezvousExitOp(), deadline)
                 self._op_executor.run(
-                    _ReformJoinOp(self._reform_grace), deadline, self._get_deadline
+                    _ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
+                    deadline,
+                    self._get_deadline,
                 )
                 state = self._holder.state
                 participants = dict(state.participants)
