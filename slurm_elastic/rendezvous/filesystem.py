@@ -151,10 +151,15 @@ class SafeDir:
             path: the directory to open (made absolute, not resolved).
             create: create missing components (``0700``).
             anchor: an ancestor from which every component down to ``path`` must be
-                owned by the user (so a component planted by someone else is refused).
+                owned by the user (so a component planted by someone else is refused)
+                and, the anchor included, not writable by group/others without the
+                sticky bit.
                 Default: the topmost directory of the run of user-owned directories
                 that ends at ``path``'s deepest existing ancestor (or that ancestor's
-                child, when it is not owned by the user: then everything is created).
+                child, when it is not owned by the user: then everything is created);
+                a derived anchor only needs to be the user's (e.g. a group-writable
+                project directory: a group member could rename what is below it, but
+                never make us use a directory we do not own).
 
         Raises:
             RendezvousSetupError: a component is a symlink, not a directory, owned by
@@ -202,7 +207,8 @@ class SafeDir:
             raise RendezvousSetupError(f"'/' is not owned by you (uid {uid})")
         for i in range(max(a - 1, 1), n):
             last = i == n - 1
-            level = "strict" if last else ("anchor" if i == a - 1 else "sticky")
+            derived_anchor = anchor is None and i == a - 1
+            level = "strict" if last else ("anchor" if derived_anchor else "sticky")
             try:
                 nxt = current.subdir(parts[i], create=create, level=level)
             finally:
@@ -447,4 +453,4 @@ class SafeDir:
         except OSError:
             trash = name
         FS_OPS.add("unlink")
-        shutil.rmtree(trash, dir_fd=self.fd, ignore_errors=True)
+        shutil.rmtree(trash, dir_fd=self.fd, ignore_errors=True)  # type: ignore[call-arg]
