@@ -54,6 +54,12 @@ from torch.distributed.elastic.rendezvous.api import (
 from slurm_elastic import events
 from slurm_elastic.rendezvous.backend import BACKEND_NAME, FileRendezvousBackend
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
+from slurm_elastic.rendezvous.join_intents import (
+    JOIN_ACTIONS,
+    IntentBoard,
+    member_names,
+    merge_intents,
+)
 from slurm_elastic.rendezvous.options import RendezvousOptions
 from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
 from slurm_elastic.rendezvous.torch_compat import (
@@ -81,6 +87,8 @@ log = logging.getLogger(__name__)
 _NEVER = timedelta(days=3650)
 _POLL_CAP_S = 0.25
 _SLOT_S = 0.005
+# A pending node merges the intents itself after this long (the merger may be dead).
+_TAKEOVER_S = 1.0
 # What torch's join op sees as the last-call deadline once this node's own monotonic
 # measurement says it passed (or not): torch compares it with its wall clock.
 _PAST = datetime.min.replace(tzinfo=timezone.utc)
@@ -114,9 +122,12 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         backend: FileRendezvousBackend,
         poll_s: float,
         reform_grace_s: float,
+        board: IntentBoard | None = None,
     ) -> None:
         super().__init__(node, holder, settings)
         self._holder = holder
+        self._board = board
+        self._posted_at: float | None = None
         self._backend = backend
         self._poll_s = poll_s
         self._reform_grace_s = reform_grace_s
@@ -150,6 +161,11 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
             self._state = self._holder.state
             ctx = _RendezvousContext(self._node, self._decision_view(self._state), self._settings)
             action = state_handler(ctx, deadline)
+            if self._board is not None:
+                if action in JOIN_ACTIONS:
+                    self._join_by_intent(deadline)
+                    continue
+                self.withdraw_intent()
             if action == _Action.FINISH:
                 continue
             if action == _Action.ERROR_CLOSED:
@@ -178,6 +194,35 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 deadline = update_deadline(self._settings.timeout.join)
             self._holder.mark_dirty()
+
+    def withdraw_intent(self) -> None:
+        """Remove this node's join intent if it posted one."""
+        if self._posted_at is not None and self._board is not None:
+            self._posted_at = None
+            self._board.withdraw(IntentBoard.name(self._node))
+
+    def _join_by_intent(self, deadline: float) -> None:
+        """Post this node's intent; merge all pending ones if this node is the merger."""
+        assert self._board is not None
+        board = self._board
+        me = IntentBoard.name(self._node)
+        if self._posted_at is None:
+            board.post(self._node)
+            self._posted_at = time.monotonic()
+            time.sleep(self._poll_s)  # let simultaneous arrivals post: one merge for all
+        pending = board.pending(member_names(self._state))
+        takeover = time.monotonic() - self._posted_at > _TAKEOVER_S
+        if not pending or (pending[0] != me and not takeover):
+            self._wait_for_change(deadline)
+            return
+        self._holder.invalidate()
+        self._holder.sync()
+        state = self._holder.state
+        if merge_intents(state, self._settings, board, board.pending(member_names(state))):
+            self._holder.mark_dirty()
+            if self._holder.sync() is False:
+                time.sleep(random.uniform(0, _SLOT_S * 4))
+                self._holder.invalidate()
 
     def _record(self, message: str, node_state: Any = None) -> None:
         # Torch's version builds an event with inspect.stack() (milliseconds of CPU per
@@ -352,6 +397,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             backend,
             options.poll_interval_s,
             min(options.reform_grace_s, options.last_call_timeout_s),
+            IntentBoard(epoch.intents),
         )
         self._reform_grace = timedelta(
             seconds=min(options.reform_grace_s, options.last_call_timeout_s)
@@ -473,6 +519,9 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                     state.redundancy_list.discard(node)
                     changed = True
                 state.last_heartbeats.pop(node, None)
+            board = IntentBoard(self._epoch.intents)
+            for node in dead:  # a dead node's intent must not bring it back
+                board.withdraw(IntentBoard.name(node))
             if not changed:
                 return
             if removed_participant:

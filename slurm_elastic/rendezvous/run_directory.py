@@ -130,6 +130,7 @@ class Epoch:
         self.keys_dir = self.path / "keys"
         self._hb: SafeDir | None = None
         self._keys: SafeDir | None = None
+        self._intents: SafeDir | None = None
 
     @property
     def hb(self) -> SafeDir:
@@ -137,6 +138,13 @@ class Epoch:
         if self._hb is None:
             self._hb = self.dir.subdir("hb", create=True)
         return self._hb
+
+    @property
+    def intents(self) -> SafeDir:
+        """The directory of join intents (opened and checked on first use)."""
+        if self._intents is None:
+            self._intents = self.dir.subdir("intents", create=True)
+        return self._intents
 
     @property
     def keys(self) -> SafeDir:
@@ -282,6 +290,7 @@ class RunDirectory:
         try:
             tmp.subdir("hb").close()
             tmp.subdir("keys").close()
+            tmp.subdir("intents").close()
             init_state_dir(tmp)
             meta = {
                 "generation": incarnation.generation,
