@@ -342,8 +342,13 @@ class FileRendezvousBackend(RendezvousBackend):
                             self._root.path)  # fmt: skip
             return None
 
-    def latest_generation(self) -> int:
+    def latest_generation(self, *, probe: bool = True) -> int:
         """Return the newest published generation (0 when none); cheap, for polling.
+
+        Args:
+            probe: also look past ``head`` for newer generations (one ``stat``); a
+                poller may skip it on most polls (``head`` lags only when a writer
+                died between publishing and re-pointing it, or under NFS caching).
 
         Raises:
             RendezvousConnectionError: the directory cannot be read.
@@ -364,7 +369,7 @@ class FileRendezvousBackend(RendezvousBackend):
             if gen == 0 and not self._exists(0):
                 gen = self._scan()
             probes = 0
-            while self._exists(gen + 1):
+            while probe and self._exists(gen + 1):
                 gen += 1
                 probes += 1
                 if probes > _MAX_PROBE:  # far behind: find the newest segment

@@ -87,8 +87,7 @@ log = logging.getLogger(__name__)
 _NEVER = timedelta(days=3650)
 _POLL_CAP_S = 0.25
 _SLOT_S = 0.005
-# A pending node merges the intents itself after this long (the merger may be dead).
-_TAKEOVER_S = 1.0
+_PER_INTENT_S = 0.0005
 # What torch's join op sees as the last-call deadline once this node's own monotonic
 # measurement says it passed (or not): torch compares it with its wall clock.
 _PAST = datetime.min.replace(tzinfo=timezone.utc)
@@ -123,10 +122,12 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         poll_s: float,
         reform_grace_s: float,
         board: IntentBoard | None = None,
+        takeover_s: float = 5.0,
     ) -> None:
         super().__init__(node, holder, settings)
         self._holder = holder
         self._board = board
+        self._takeover_s = takeover_s
         self._posted_at: float | None = None
         self._backend = backend
         self._poll_s = poll_s
@@ -211,10 +212,21 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
             self._posted_at = time.monotonic()
             time.sleep(self._poll_s)  # let simultaneous arrivals post: one merge for all
         pending = board.pending(member_names(self._state))
-        takeover = time.monotonic() - self._posted_at > _TAKEOVER_S
+        takeover = time.monotonic() - self._posted_at > self._takeover_s
         if not pending or (pending[0] != me and not takeover):
-            self._wait_for_change(deadline)
+            # A batch of m intents takes the merger about m x 0.5 ms to read and apply:
+            # first look after that (polls per node stay flat as batches grow).
+            self._wait_for_change(deadline, first=self._poll_s + len(pending) * _PER_INTENT_S)
             return
+        # Gather: merge once the batch stops growing for a poll interval, or holds
+        # every node the round can still take (one write for a simultaneous start).
+        room = self._settings.max_nodes - len(self._state.participants)
+        while len(pending) < room and time.monotonic() < deadline:
+            time.sleep(self._poll_s)
+            grown = board.pending(member_names(self._state))
+            if len(grown) <= len(pending):
+                break
+            pending = grown
         self._holder.invalidate()
         self._holder.sync()
         state = self._holder.state
@@ -269,8 +281,12 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         view.deadline = _PAST if due else _FUTURE
         return view
 
-    def _wait_for_change(self, deadline: float) -> None:
-        """Sleep until the state changes, 1 s passes, or a last-call deadline is due."""
+    def _wait_for_change(self, deadline: float, first: float | None = None) -> None:
+        """Sleep until the state changes, 1 s passes, or a last-call deadline is due.
+
+        ``first``: the first poll delay (default ``poll_interval``), doubling up to
+        0.25 s (or ``first``, if larger) after that.
+        """
         now = time.monotonic()
         wake = min(now + 1.0, deadline)
         elapsed = self.last_call_elapsed(self._state)
@@ -281,14 +297,18 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
                 if at > 0:
                     wake = min(wake, now + at + 0.005)
         seen = self._holder.token
-        delay = self._poll_s
+        delay = first or self._poll_s
+        cap = max(_POLL_CAP_S, delay)
+        polls = 0
         while True:
             now = time.monotonic()
             if now >= wake:
                 break
             time.sleep(min(delay, wake - now))
-            delay = min(delay * 2, _POLL_CAP_S)
-            if self._backend.latest_generation() != seen:
+            delay = min(delay * 2, cap)
+            polls += 1
+            # One open of ``head`` per poll; every 4th poll also probes past it.
+            if self._backend.latest_generation(probe=polls % 4 == 0) != seen:
                 break
         self._holder.invalidate()
 
@@ -398,6 +418,9 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             options.poll_interval_s,
             min(options.reform_grace_s, options.last_call_timeout_s),
             IntentBoard(epoch.intents),
+            # A pending node merges the intents itself once the designated merger
+            # could have been declared dead (it may have died after posting).
+            takeover_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
         )
         self._reform_grace = timedelta(
             seconds=min(options.reform_grace_s, options.last_call_timeout_s)
@@ -553,6 +576,25 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             and rank0 in state.participants
         )
 
+    def join_round(self, deadline: float) -> tuple[int, dict[_NodeDesc, int]]:
+        """Run the join protocol only (exit the last round, join the next one).
+
+        No heartbeat thread and no workers' store: :meth:`next_rendezvous` adds those.
+        Used directly by ``bench/rendezvous.py`` to simulate many agents in threads.
+
+        Returns:
+            ``(round, {node: rank})`` of the completed round.
+        """
+        with self._heartbeat_lock:
+            self._op_executor.run(_RendezvousExitOp(), deadline)
+            self._op_executor.run(
+                _ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
+                deadline,
+                self._get_deadline,
+            )
+            state = self._holder.state
+            return state.round, dict(state.participants)
+
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; return rank, world size and this round's stores.
 
@@ -565,16 +607,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._ensure_monitor()
         deadline = self._get_deadline(self._settings.timeout.join)
         while True:
-            with self._heartbeat_lock:
-                self._op_executor.run(_RendezvousExitOp(), deadline)
-                self._op_executor.run(
-                    _ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
-                    deadline,
-                    self._get_deadline,
-                )
-                state = self._holder.state
-                participants = dict(state.participants)
-                round_ = state.round
+            round_, participants = self.join_round(deadline)
             rank, world = participants[self._this_node], len(participants)
             rank0 = next(n for n, r in participants.items() if r == 0)
             try:
