@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import hashlib
 import logging
 import random
 import threading
@@ -359,6 +360,12 @@ class _LeaveOp:
         return _Action.FINISH
 
 
+def _members_digest(participants: dict[_NodeDesc, int]) -> str:
+    """A digest of a round's members and ranks (rank 0 publishes it with the store)."""
+    text = ",".join(f"{n!r}={r}" for n, r in sorted(participants.items(), key=lambda x: x[1]))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
 def _leave_at_exit(ref: weakref.ReferenceType[SlurmRendezvousHandler]) -> None:
     handler = ref()
     if handler is not None:
@@ -608,6 +615,13 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         deadline = self._get_deadline(self._settings.timeout.join)
         while True:
             round_, participants = self.join_round(deadline)
+            if sorted(participants.values()) != list(range(len(participants))):
+                # A member was evicted (or left) between the round's completion and
+                # this node's read: the ranks have a hole. The round is broken for
+                # everyone; join the next one instead of returning a bad rank.
+                log.info("rendezvous %r: round %d lost a member; joining again",
+                         self._settings.run_id, round_)  # fmt: skip
+                continue
             rank, world = participants[self._this_node], len(participants)
             rank0 = next(n for n, r in participants.items() if r == 0)
             try:
@@ -617,6 +631,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                     repr(rank0),
                     functools.partial(self._round_is_current, round_, rank0),
                     deadline,
+                    members=_members_digest(participants),
                 )
             except RoundLostError as exc:
                 log.info("rendezvous %r: %s; joining again", self._settings.run_id, exc)

@@ -180,9 +180,14 @@ class Epoch:
         """Whether incarnation ``key`` took part in this epoch."""
         return self.keys.exists(safe_component(key))
 
-    def publish_store(self, round_: int, node: str, addr: str, port: int) -> None:
-        """Publish the worker-store address of round ``round_`` (atomic replace)."""
-        record = {"round": round_, "node": node, "addr": addr, "port": port}
+    def publish_store(
+        self, round_: int, node: str, addr: str, port: int, members: str = ""
+    ) -> None:
+        """Publish the worker-store address of round ``round_`` (atomic replace).
+
+        ``members``: rank 0's digest of the round's members and ranks.
+        """
+        record = {"round": round_, "node": node, "addr": addr, "port": port, "members": members}
         self.dir.replace("store", json.dumps(record).encode())
 
     def read_store(self) -> dict[str, Any] | None:
