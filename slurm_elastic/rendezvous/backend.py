@@ -38,11 +38,13 @@ an empty one.
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import logging
 import os
 import pickle
 import struct
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -167,10 +169,28 @@ def _decode_record(data: bytes, generation: int) -> bytes:
     if zlib.crc32(payload) != crc:
         raise MalformedRecordError("checksum mismatch")
     if generation > 0:
-        decode_state(payload)
+        _validate(payload)
     elif payload != _EMPTY:
         raise MalformedRecordError("generation 0 must be empty")
     return payload
+
+
+_VALIDATED: dict[bytes, None] = {}
+_VALIDATED_LOCK = threading.Lock()
+
+
+def _validate(payload: bytes) -> None:
+    """:func:`decode_state` once per distinct payload in this process (all backend
+    objects of a process, e.g. the agent's and its watcher's, read the same states)."""
+    key = hashlib.sha256(payload).digest()
+    with _VALIDATED_LOCK:
+        if key in _VALIDATED:
+            return
+    decode_state(payload)
+    with _VALIDATED_LOCK:
+        _VALIDATED[key] = None
+        while len(_VALIDATED) > 16:
+            del _VALIDATED[next(iter(_VALIDATED))]
 
 
 def _seg(generation: int) -> str:

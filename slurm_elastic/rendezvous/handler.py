@@ -217,7 +217,14 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         if not pending or (pending[0] != me and not takeover):
             # A batch of m intents takes the merger about m x 0.5 ms to read and apply:
             # first look after that (polls per node stay flat as batches grow).
-            self._wait_for_change(deadline, first=self._poll_s + len(pending) * _PER_INTENT_S)
+            # No periodic wake-up while pending: only a state change (a merge) or the
+            # takeover time matters, so N waiters cost nothing per second between
+            # merges.
+            self._wait_for_change(
+                deadline,
+                first=self._poll_s + len(pending) * _PER_INTENT_S,
+                horizon=max(1.0, self._posted_at + self._takeover_s - time.monotonic()),
+            )
             return
         # Gather: merge once the batch stops growing for a poll interval, or holds
         # every node the round can still take (one write for a simultaneous start).
@@ -282,14 +289,17 @@ class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
         view.deadline = _PAST if due else _FUTURE
         return view
 
-    def _wait_for_change(self, deadline: float, first: float | None = None) -> None:
+    def _wait_for_change(
+        self, deadline: float, first: float | None = None, horizon: float = 1.0
+    ) -> None:
         """Sleep until the state changes, 1 s passes, or a last-call deadline is due.
 
         ``first``: the first poll delay (default ``poll_interval``), doubling up to
-        0.25 s (or ``first``, if larger) after that.
+        0.25 s (or ``first``, if larger) after that; ``horizon``: the longest sleep
+        without a change (default 1 s).
         """
         now = time.monotonic()
-        wake = min(now + 1.0, deadline)
+        wake = min(now + horizon, deadline)
         elapsed = self.last_call_elapsed(self._state)
         if elapsed is not None:
             due = self._settings.timeout.last_call.total_seconds() - elapsed
