@@ -5,9 +5,10 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
     <root>/                     0700, owned by the user (checked)
       <run_id>/                 one per run id: two runs may share a root
         epoch.<k>/              one per *epoch*: a state that agents may join
-          meta                  JSON: generation (who may join), created_by
-          head, state.<n>       the rendezvous state (see backend.py)
+          meta                  JSON: generation (who may join), created_by, Slurm job
+          head, seg.<k>/state.<n>  the rendezvous state (see backend.py)
           hb/<node>             heartbeat counters (see heartbeat.py)
+          intents/<node>        join intents (see join_intents.py)
           keys/<incarnation>    one empty file per job incarnation that took part
           store                 JSON: the current round's worker-store address
 
@@ -19,7 +20,9 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
   so a requeued task rejoins the running tasks of its array (the run is not reset).
 * ``key`` identifies this allocation: ``<SLURM_JOB_ID>.<restart_count>``.
 
-A starting agent takes the newest epoch when it is empty, or open with its generation;
+A starting agent takes the newest epoch when it is open with its generation (an open
+epoch of *another* generation that is still live, judged by its heartbeats over one
+liveness window, makes it fail with :class:`RunIdInUseError`: two jobs never share one);
 when the epoch is *closed* it raises :class:`RendezvousClosedError` if its own key took
 part in that epoch (a late agent of a finished job), and otherwise opens a new epoch:
 a closed run never poisons a requeue. Epochs are created by ``rename`` of a fully built
