@@ -173,8 +173,16 @@ class PollingOpExecutor(_DistributedRendezvousOpExecutor):
             board.post(self._node)
             self._posted_at = time.monotonic()
             time.sleep(self._poll_s)  # let simultaneous arrivals post: one merge for all
+        # Decide on a fresh state: with a cached one, nodes merged a moment ago still
+        # look pending, and nobody would consider itself the merger.
+        self._holder.invalidate()
+        self._holder.sync()
+        self._state = self._holder.state
         pending = board.pending(member_names(self._state))
-        takeover = time.monotonic() - self._posted_at > self._takeover_s
+        # Takeover (the merger died): staggered by position, so one node goes first.
+        position = pending.index(me) if me in pending else len(pending)
+        waited = time.monotonic() - self._posted_at
+        takeover = waited > self._takeover_s + 0.02 * position
         if not pending or (pending[0] != me and not takeover):
             # A batch of m intents takes the merger about m x 0.5 ms to read and apply:
             # first look after that (polls per node stay flat as batches grow).
@@ -184,7 +192,9 @@ class PollingOpExecutor(_DistributedRendezvousOpExecutor):
             self._wait_for_change(
                 deadline,
                 first=self._poll_s + len(pending) * _PER_INTENT_S,
-                horizon=max(1.0, self._posted_at + self._takeover_s - time.monotonic()),
+                horizon=max(
+                    1.0, self._posted_at + self._takeover_s + 0.02 * position - time.monotonic()
+                ),
             )
             return
         # Gather: merge once the batch stops growing for a poll interval, or holds
