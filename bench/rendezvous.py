@@ -2,10 +2,21 @@
 
 Cases, all measured in this run (ratios are ours / baseline):
 
+* ``soak/linearizable``: the churn soak of ``tests/rendezvous/soak.py`` (agents join,
+  leave, are SIGKILLed and replaced; every state read/written is logged and checked for
+  one linear history, and every round for agreement). ``--soak`` runs only the full
+  size (12 agents, 150 s, target >= 1,000 transitions); the default run does 30 s
+  (``--quick``) or 150 s.
+* ``formation_sim/N``: N simulated agents (threads, each a real handler running the real
+  join protocol on one shared directory, no workers' store) form one round
+  (min = max = N). Target: N = 1,024 within 10 s on this machine; N = 4,096 reported.
+* ``metadata_ops/N=256_vs_N=8``: metadata operations per agent per round in that
+  simulation. Target ratio <= 1.2.
 * ``formation/N``: N node processes (from a fork server that imported torch) start
   ``next_rendezvous`` at the same instant (min = max = N); time until the last one has
-  its rank. Baseline: the faster of c10d-TCP and c10d-FileStore. Target ratio <= 1.0.
-  etcd-v2 is measured too when ``etcd`` is installed (reported, not a target).
+  its rank. Baseline: the faster of c10d-TCP and c10d-FileStore. Target ratio <= 0.2.
+  etcd-v2 is measured too when ``etcd`` and its Python client (``etcd``, ``urllib3``)
+  are installed; otherwise it is skipped with the reason (reported, not a target).
 * ``metadata_ops``: filesystem metadata operations per agent per formation round
   (ours, counted by our own code), N = 32 vs N = 8. Target ratio <= 1.2.
 * ``rerdzv/hard_loss_vs_torch_defaults``: 3 nodes (min 2, max 3), SIGKILL of a
@@ -186,7 +197,21 @@ class Backends:
             self.etcd.wait(10)
 
     def kinds(self) -> list[str]:
-        return ["slurm", "c10d-tcp", "c10d-file"] + (["etcd-v2"] if self.etcd else [])
+        return ["slurm", "c10d-tcp", "c10d-file"] + (["etcd-v2"] if self.etcd_usable() else [])
+
+    def etcd_usable(self) -> bool:
+        """Whether the optional etcd-v2 baseline can run; prints why not, once."""
+        if self.etcd is None:
+            reason = "no `etcd` binary on PATH"
+        else:
+            import importlib.util
+
+            missing = [m for m in ("etcd", "urllib3") if importlib.util.find_spec(m) is None]
+            reason = f"missing Python module(s) {', '.join(missing)}" if missing else ""
+        if reason and not getattr(self, "_etcd_reported", False):
+            self._etcd_reported = True
+            print(f"# etcd-v2 baseline skipped: {reason}", file=sys.stderr, flush=True)
+        return not reason
 
     def params(
         self, kind: str, case: str, idx: int, nmin: int, nmax: int, conf: dict[str, Any]
@@ -305,6 +330,64 @@ def recovery(
             node.kill()
 
 
+def simulate_formation(work: Path, n: int) -> dict[str, Any]:
+    """N simulated agents (threads of this process) form one round (min = max = N).
+
+    Each thread owns a real handler and runs the real join protocol
+    (``SlurmRendezvousHandler.join_round``: backend, join intents, torch's state
+    machine) on one shared directory; no heartbeat threads and no workers' store.
+    Returns the time until the last agent has its rank and the metadata operations
+    per agent during the round.
+    """
+    import resource
+    import threading
+
+    from slurm_elastic.rendezvous import create_handler
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    logging_off()
+    conf = {"join_timeout": "600", "heartbeat_interval": "5", "last_call_timeout": "30"}
+    root = work / "sim"
+    run_id = f"sim{n}-{time.time_ns()}"
+    handlers = [
+        create_handler(
+            RendezvousParameters("slurm", str(root), run_id, n, n, local_addr="10.0.0.1", **conf),
+            environ={},
+        )
+        for _ in range(n)
+    ]
+    threading.stack_size(256 * 1024)
+    done: list[float | None] = [None] * n
+    ranks: list[Any] = [None] * n
+    barrier = threading.Barrier(n + 1)
+
+    def agent(i: int) -> None:
+        barrier.wait()
+        try:
+            _, parts = handlers[i].join_round(time.monotonic() + 600)
+            ranks[i] = parts[handlers[i]._this_node]
+        except Exception as exc:
+            ranks[i] = repr(exc)
+        done[i] = time.monotonic()
+
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    fs.FS_OPS.reset()
+    barrier.wait()
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(900)
+    ops = fs.FS_OPS.total() / n
+    ok = sorted(r for r in ranks if isinstance(r, int)) == list(range(n))
+    finished = [d for d in done if d is not None]
+    for h in handlers:
+        h._epoch.dir.close()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return {"ok": ok, "seconds": (max(finished) - t0) if finished else None, "ops": ops}
+
+
 # -- driver --------------------------------------------------------------------------------
 
 OURS_DEFAULTS: dict[str, Any] = {}
@@ -318,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help="comma list of N for formation")
     ap.add_argument("--only-formation", action="store_true", help="skip the recovery cases")
     ap.add_argument("--backends", default=None, help="comma list (default: all available)")
+    ap.add_argument("--sim-sizes", default=None, help="comma list of N for simulated agents")
+    ap.add_argument("--soak", action="store_true", help="only the full churn soak")
+    ap.add_argument("--soak-seconds", type=float, default=None)
     args = ap.parse_args(argv)
     register()
     _CTX.set_forkserver_preload(["torch", "slurm_elastic.rendezvous.factory"])
@@ -339,6 +425,42 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
 
     try:
+        if args.soak or not args.only_formation:
+            from tests.rendezvous.soak import run_soak
+
+            seconds = args.soak_seconds or (30.0 if args.quick and not args.soak else 150.0)
+            soak_dir = work / "soak"
+            soak_dir.mkdir(mode=0o700)
+            res = run_soak(soak_dir, agents=8 if args.quick else 12, seconds=seconds,
+                           kill_every_s=1.5)  # fmt: skip
+            want = 1000 if seconds >= 150 else 100
+            report(
+                "soak/linearizable", res["transitions"], want, 1.0,
+                bool(res["linear"] and res["transitions"] >= want), "transitions",
+                rounds=res["rounds"], kills=res["kills"], agents=res["agents_started"],
+                seconds=seconds, problems=res["problems"],
+            )  # fmt: skip
+            if args.soak:
+                return 0
+        sim_sizes = [int(x) for x in args.sim_sizes.split(",")] if args.sim_sizes else (
+            [8, 256, 1024] if args.quick else [8, 256, 1024, 4096]
+        )  # fmt: skip
+        sim: dict[int, dict[str, Any]] = {}
+        for n in sim_sizes:
+            sim[n] = simulate_formation(work, n)
+            if n >= 1024:
+                report(
+                    f"formation_sim/N={n}", sim[n]["seconds"], 10.0, 1.0,
+                    bool(sim[n]["ok"] and sim[n]["seconds"] <= 10.0) if n == 1024 else True,
+                    "s (baseline: the 10 s budget; N=4096 reported only)",
+                    ops_per_agent=sim[n]["ops"],
+                )  # fmt: skip
+        if 8 in sim and 256 in sim:
+            o, b = sim[256]["ops"], sim[8]["ops"]
+            report(
+                "metadata_ops/N=256_vs_N=8", o, b, 1.2, o <= 1.2 * b, "ops/agent/round (sim)",
+                seconds_256=sim[256]["seconds"], seconds_8=sim[8]["seconds"],
+            )  # fmt: skip
         ops_by_n: dict[int, float] = {}
         for n in sizes:
             times: dict[str, float | None] = {}
@@ -346,7 +468,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 samples = []
                 for _ in range(reps):
-                    r = formation(backends, kind, n)
+                    try:
+                        r = formation(backends, kind, n)
+                    except Exception as exc:  # an optional baseline that cannot start
+                        r = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                     if not r["ok"]:
                         print(f"# {kind} N={n} failed: {r.get('error')}", file=sys.stderr)
                         continue
@@ -359,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                 (t for k, t in times.items() if k in ("c10d-tcp", "c10d-file") and t), default=None
             )
             report(
-                f"formation/N={n}", ours, torch_best, 1.0,
-                ours is not None and torch_best is not None and ours <= torch_best, "s",
+                f"formation/N={n}", ours, torch_best, 0.2,
+                ours is not None and torch_best is not None and ours <= 0.2 * torch_best, "s",
                 c10d_tcp=times.get("c10d-tcp"), c10d_file=times.get("c10d-file"),
                 etcd_v2=times.get("etcd-v2"),
             )  # fmt: skip

@@ -13,12 +13,16 @@ Contract:
 * backend name ``slurm`` (``torchrun --rdzv-backend=slurm --rdzv-endpoint=<dir>``);
 * :func:`create_handler` ``(RendezvousParameters) -> SlurmRendezvousHandler``, a
   torch ``RendezvousHandler`` with ``use_agent_store = True`` plus :meth:`leave`;
-* the directory must be owned by the user and not writable by group/others;
-  everything is created ``0700``/``0600``. TCPStore has no authentication.
+* every directory from a user-owned anchor down must be the user's and not writable
+  by group/others; everything is created ``0700``/``0600`` and used through checked
+  directory descriptors without following links. TCPStore has no authentication.
 
 Modules: :mod:`.filesystem` (the few FS primitives, checks, op counters),
 :mod:`.backend` (lock-free compare-and-set state), :mod:`.run_directory` (epochs,
-requeue safety), :mod:`.heartbeat` (counter heartbeats), :mod:`.worker_store`
+requeue safety, run ids shared by two jobs), :mod:`.heartbeat` (counter heartbeats),
+:mod:`.join_intents` (contention-free joining), :mod:`.executor` (the op loop),
+:mod:`.torch_compat` (the only
+module touching torch's private rendezvous names), :mod:`.worker_store`
 (per-round TCPStore), :mod:`.options` (``--rdzv-conf`` keys), :mod:`.handler`,
 :mod:`.factory` (the creator),
 :mod:`.registration` (wiring, torchrun entry point). See ``docs/rendezvous.md``.

@@ -1,34 +1,50 @@
 """``FileRendezvousBackend``: torch's rendezvous state on a shared directory, lock-free.
 
-The state (torch's pickled ``_RendezvousState``) lives in *immutable generation files*
-``state.<n>``. A compare-and-set from token ``t`` publishes ``state.<t+1>`` with an
-exclusive ``link(2)``: exactly one writer wins a generation, the losers read the winner's
-state. Nothing is locked, so a writer that dies at any instant blocks nobody (it leaves
-at most an orphaned ``.tmp.*`` file). A ``head`` pointer (replaced by ``rename``) tells
-readers the newest generation without listing the directory; readers verify it with one
-probe of the next name, and fall back to a listing only when the pointer is missing or
-points at a collected file. The writer of generation ``n`` deletes ``state.<n-KEEP>``,
-so the directory stays small.
+**One linear history.** The state (torch's pickled ``_RendezvousState``) lives in
+*immutable generation files* ``seg.<k>/state.<n>`` (segment ``k = n // 64``). The
+token is the generation number ``n``. A compare-and-set from token ``t``:
 
-Per read: ``open(head)`` + ``stat(state.<h+1>)`` + ``open(state.<h>)`` (the last one is
-skipped when the generation is unchanged). Per successful write: ``open`` + ``link`` +
-``unlink`` (temp) + ``open``/``rename`` (head) + ``unlink`` (old generation). Neither
-depends on the number of nodes.
+1. loses at once unless ``state.<t>`` exists (a token that was never issued, or whose
+   generation was collected, can never be current);
+2. publishes ``state.<t+1>`` with an exclusive ``link(2)``: exactly one writer wins a
+   generation, and it can only win if ``t`` was the newest one, because generation
+   files are never removed from an existing segment;
+3. collection removes whole *segments*, first renamed away atomically: a stale writer
+   whose segment was collected gets ``ENOENT`` from ``link`` and loses. A segment is
+   only ever created by the writer of its first generation, after it checked that its
+   predecessor still exists (re-checked after the ``mkdir``, so a collected segment is
+   never resurrected).
+
+A fresh state directory holds ``seg.0/state.0``, an *empty* record meaning "no state":
+``token=None`` is token 0, so "create only if none exists" is the same rule. Losers get
+the current state and token; ``head`` (replaced by ``rename``) is only a *hint* of the
+newest generation: readers take the larger of it and what they saw last, verify it
+exists, and probe forward; a ``head`` that is corrupt, points past the newest
+generation, is a symlink or a directory is ignored (with a warning) and repaired by the
+next writer. The generation a backend object reports never decreases.
+
+Per read: ``open(head)`` + ``stat(state.<h+1>)`` (+ ``open(state.<h>)`` when the
+generation changed). Per successful write: ``stat`` + ``open`` + ``link`` + ``unlink``
+(temp) + ``open``/``rename`` (head) + ``stat``; every 64 generations one ``mkdir``, one
+``listdir`` and the removal of one old segment. None of it depends on the number of nodes.
 
 File format: ``b"SLRDV1\\n"``, generation (u64), payload length (u64), CRC-32 (u32),
-payload. A file that fails any check is a *malformed record*: it is logged as a warning
-and skipped (its generation still counts, so writers move past it). Payloads are also
-checked by a restricted unpickler that admits only the classes torch's state uses, as a
-defence in depth on top of the directory permission checks.
+payload. A newest record that fails any check (magic, length, CRC, or the restricted
+unpickler, which admits only the classes of torch's state) raises
+:class:`RendezvousStateError` naming the file: a corrupt state never silently becomes
+an empty one.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import logging
+import os
 import pickle
 import struct
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -37,40 +53,46 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+
+from slurm_elastic.errors import RendezvousSetupError
+from slurm_elastic.rendezvous.filesystem import MissingDirectoryError, SafeDir
+from slurm_elastic.rendezvous.torch_compat import (
+    STATE_PICKLE_GLOBALS,
     RendezvousBackend,
     _RendezvousState,
 )
 
-from slurm_elastic.rendezvous import filesystem as fs
-
-__all__ = ["BACKEND_NAME", "FileRendezvousBackend", "decode_state", "encode_record"]
+__all__ = [
+    "BACKEND_NAME",
+    "SEGMENT",
+    "FileRendezvousBackend",
+    "MalformedRecordError",
+    "decode_state",
+    "encode_record",
+    "init_state_dir",
+]
 
 log = logging.getLogger(__name__)
 
 #: The registry name; ``get_backend()`` must return it (torch checks).
 BACKEND_NAME = "slurm"  # must equal registration.BACKEND_NAME
 
+#: Generations per segment directory; the previous segment is kept.
+SEGMENT = 64
+
 _MAGIC = b"SLRDV1\n"
 _HEADER = struct.Struct(">QQI")
-_KEEP = 16
+_EMPTY = b""  # payload of generation 0: "no state"
+_MAX_PROBE = 4 * SEGMENT
 
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
-    ("datetime", "datetime"),
-    ("datetime", "timezone"),
-    ("datetime", "timedelta"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("copyreg", "_reconstructor"),
-    ("builtins", "object"),
-}
+
+class MalformedRecordError(RendezvousStateError):
+    """A state record failed a check (format, checksum, or allowed classes/arguments)."""
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED_GLOBALS:
+        if (module, name) not in STATE_PICKLE_GLOBALS:
             raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a state")
         return super().find_class(module, name)
 
@@ -79,12 +101,52 @@ def decode_state(payload: bytes) -> _RendezvousState:
     """Unpickle a state payload, admitting only the classes torch's state uses.
 
     Raises:
-        pickle.UnpicklingError: the payload is not a plain rendezvous state.
+        MalformedRecordError: the payload is not a plain rendezvous state, including
+            allowed classes called with bad arguments (``datetime('x')``, a huge
+            ``timedelta``) and fields of the wrong type.
     """
-    obj = _RestrictedUnpickler(io.BytesIO(payload)).load()
+    try:
+        obj = _RestrictedUnpickler(io.BytesIO(payload)).load()
+    except Exception as exc:  # any failure of a foreign pickle is a malformed record
+        raise MalformedRecordError(f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, _RendezvousState):
-        raise pickle.UnpicklingError(f"payload holds a {type(obj).__name__}, not a state")
+        raise MalformedRecordError(f"payload holds a {type(obj).__name__}, not a state")
+    try:
+        _check_fields(obj)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise MalformedRecordError(f"bad state field: {exc}") from exc
     return obj
+
+
+def _check_fields(s: _RendezvousState) -> None:
+    from datetime import datetime
+
+    from slurm_elastic.rendezvous.torch_compat import _NodeDesc
+
+    if not isinstance(s.round, int) or not isinstance(s.complete, bool):
+        raise TypeError("round/complete")
+    if not isinstance(s.closed, bool) or not (
+        s.deadline is None or isinstance(s.deadline, datetime)
+    ):
+        raise TypeError("closed/deadline")
+    if not isinstance(s.participants, dict) or not all(
+        isinstance(k, _NodeDesc) and isinstance(v, int) for k, v in s.participants.items()
+    ):
+        raise TypeError("participants")
+    for name in ("wait_list", "redundancy_list"):
+        value = getattr(s, name)
+        if not isinstance(value, set) or not all(isinstance(n, _NodeDesc) for n in value):
+            raise TypeError(name)
+    if not isinstance(s.last_heartbeats, dict):
+        raise TypeError("last_heartbeats")
+    nodes = [*s.participants, *s.wait_list, *s.redundancy_list, *s.last_heartbeats]
+    for node in nodes:
+        if not isinstance(node, _NodeDesc):
+            raise TypeError("node")
+        if not (isinstance(node.addr, str) and isinstance(node.pid, int)):
+            raise TypeError("node fields")
+        if not isinstance(node.local_id, int):
+            raise TypeError("node fields")
 
 
 def encode_record(generation: int, payload: bytes) -> bytes:
@@ -94,37 +156,89 @@ def encode_record(generation: int, payload: bytes) -> bytes:
 
 def _decode_record(data: bytes, generation: int) -> bytes:
     if not data.startswith(_MAGIC):
-        raise ValueError("bad magic")
+        raise MalformedRecordError("bad magic")
     start = len(_MAGIC) + _HEADER.size
     if len(data) < start:
-        raise ValueError("truncated header")
+        raise MalformedRecordError("truncated header")
     gen, length, crc = _HEADER.unpack_from(data, len(_MAGIC))
     payload = data[start:]
     if gen != generation:
-        raise ValueError(f"generation {gen} in file named {generation}")
+        raise MalformedRecordError(f"generation {gen} in the file of generation {generation}")
     if len(payload) != length:
-        raise ValueError(f"payload has {len(payload)} bytes, header says {length}")
+        raise MalformedRecordError(f"payload has {len(payload)} bytes, header says {length}")
     if zlib.crc32(payload) != crc:
-        raise ValueError("checksum mismatch")
-    decode_state(payload)
+        raise MalformedRecordError("checksum mismatch")
+    if generation > 0:
+        _validate(payload)
+    elif payload != _EMPTY:
+        raise MalformedRecordError("generation 0 must be empty")
     return payload
+
+
+_VALIDATED: dict[bytes, None] = {}
+_VALIDATED_LOCK = threading.Lock()
+
+
+def _validate(payload: bytes) -> None:
+    """:func:`decode_state` once per distinct payload in this process (all backend
+    objects of a process, e.g. the agent's and its watcher's, read the same states)."""
+    key = hashlib.sha256(payload).digest()
+    with _VALIDATED_LOCK:
+        if key in _VALIDATED:
+            return
+    decode_state(payload)
+    with _VALIDATED_LOCK:
+        _VALIDATED[key] = None
+        while len(_VALIDATED) > 16:
+            del _VALIDATED[next(iter(_VALIDATED))]
+
+
+def _seg(generation: int) -> str:
+    return f"seg.{generation // SEGMENT}"
+
+
+def _name(generation: int) -> str:
+    return f"state.{generation}"
+
+
+def init_state_dir(directory: SafeDir) -> None:
+    """Create generation 0 ("no state") in a *fresh* directory (idempotent).
+
+    Call it only while the directory is private to the caller (e.g. an epoch being
+    built before it is renamed into place): on a directory in use it could resurrect
+    a collected segment.
+    """
+    seg = directory.subdir(_seg(0), create=True)
+    try:
+        seg.link_exclusive(_name(0), encode_record(0, _EMPTY))
+    finally:
+        seg.close()
 
 
 class FileRendezvousBackend(RendezvousBackend):
     """A compare-and-set rendezvous state store on one (private) directory.
 
     Args:
-        directory: the epoch directory holding ``state.<n>`` and ``head``; it must
-            exist and have passed :func:`~slurm_elastic.rendezvous.filesystem.ensure_private_dir`.
-        keep: how many generations to keep before deleting old ones.
+        directory: the state directory, already initialised by
+            :func:`init_state_dir`: a checked :class:`SafeDir`, or a path (opened and
+            checked with :meth:`SafeDir.open_tree`, and initialised when empty; for
+            tests and tools).
+
+    Raises:
+        RendezvousSetupError: a path that is unsafe (see :class:`SafeDir`).
     """
 
-    def __init__(self, directory: Path, *, keep: int = _KEEP) -> None:
-        self._dir = Path(directory)
-        self._keep = max(2, keep)
+    def __init__(self, directory: SafeDir | Path | str) -> None:
+        if isinstance(directory, SafeDir):
+            self._root = directory
+        else:
+            self._root = SafeDir.open_tree(Path(directory))
+            if not [n for n in self._root.listdir() if n.startswith("seg.")]:
+                init_state_dir(self._root)
+        self._segs: dict[int, SafeDir] = {}
         self._cached: tuple[int, bytes] | None = None
         self._last_seen = 0
-        self._warned: set[int] = set()
+        self._warned: set[str] = set()
 
     @property
     def name(self) -> str:
@@ -133,145 +247,308 @@ class FileRendezvousBackend(RendezvousBackend):
 
     @property
     def directory(self) -> Path:
-        """The directory holding the generation files."""
-        return self._dir
+        """The directory holding the state (for messages)."""
+        return self._root.path
+
+    def _file(self, generation: int) -> str:
+        return str(self._root.path / _seg(generation) / _name(generation))
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    # -- segments ----------------------------------------------------------------------
+
+    def _segment(
+        self, generation: int, *, create: bool = False, fresh: bool = False
+    ) -> SafeDir | None:
+        """The segment directory of ``generation`` (None when missing).
+
+        ``fresh`` looks the name up again instead of trusting a cached descriptor,
+        which may belong to a segment that was collected (renamed away) since.
+        """
+        k = generation // SEGMENT
+        seg = self._segs.get(k)
+        if seg is not None and not fresh and not seg.deleted():
+            return seg
+        try:
+            new = self._root.subdir(_seg(generation), create=create)
+        except MissingDirectoryError:
+            return None
+        except RendezvousSetupError as exc:
+            raise RendezvousStateError(str(exc)) from exc
+        old = self._segs.pop(k, None)
+        if old is not None:
+            old.close()
+        self._segs[k] = new
+        for j in [j for j in self._segs if j < k - 2]:
+            self._segs.pop(j).close()
+        return new
+
+    def _exists(self, generation: int, *, fresh: bool = False) -> bool:
+        seg = self._segment(generation, fresh=fresh)
+        return seg is not None and seg.exists(_name(generation))
+
+    def _still_linked(self, seg: SafeDir, generation: int) -> bool:
+        """Whether ``seg`` is still the directory named ``seg.<k>`` (not collected)."""
+        try:
+            named = os.stat(_seg(generation), dir_fd=self._root.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(seg.fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+    def _check_not_deleted(self) -> None:
+        if self._root.deleted():
+            self._cached = None
+            self._segs.clear()
+            raise RendezvousStateError(
+                f"the rendezvous directory {str(self._root.path)!r} was deleted while in use "
+                "(e.g. by a cleanup script or `rm -rf`); this node's cached state is void. "
+                "Restart the job; keep the rendezvous directory while it runs"
+            )
 
     # -- reading ---------------------------------------------------------------------
 
-    def _exists(self, generation: int) -> bool:
-        fs.FS_OPS.add("stat")
-        try:
-            (self._dir / f"state.{generation}").lstat()
-            return True
-        except FileNotFoundError:
-            return False
-
     def _scan(self) -> int:
-        best = 0
-        for entry in fs.listdir(self._dir):
-            if entry.startswith("state."):
+        best_seg = -1
+        for entry in self._root.listdir():
+            if entry.startswith("seg."):
                 try:
-                    best = max(best, int(entry[6:]))
+                    best_seg = max(best_seg, int(entry[4:]))
                 except ValueError:
                     continue
-        return best
+        if best_seg < 0:
+            self._check_not_deleted()
+            raise RendezvousStateError(
+                f"the rendezvous state directory {str(self._root.path)!r} holds no "
+                "generation at all (not even the initial one); remove the epoch directory "
+                "so that a new one is created"
+            )
+        best = -1
+        for k in range(best_seg, max(best_seg - 3, -1), -1):
+            seg = self._segment(k * SEGMENT)
+            if seg is None:
+                continue
+            for entry in seg.listdir():
+                if entry.startswith("state."):
+                    try:
+                        best = max(best, int(entry[6:]))
+                    except ValueError:
+                        continue
+            if best >= 0:
+                return best
+        return max(best, 0)
 
-    def latest_generation(self) -> int:
+    def _read_head(self) -> int | None:
+        try:
+            raw = self._root.read("head", limit=64)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.EFBIG, errno.ENXIO):
+                self._warn_once("head", "ignoring a planted or damaged rendezvous head in %s: %s",
+                                self._root.path, exc)  # fmt: skip
+                return None
+            raise
+        if raw is None:
+            return None
+        try:
+            value = int(raw.decode("ascii").strip())
+            if value < 0:
+                raise ValueError(value)
+            return value
+        except (UnicodeDecodeError, ValueError):
+            self._warn_once("head", "ignoring a malformed rendezvous head pointer in %s",
+                            self._root.path)  # fmt: skip
+            return None
+
+    def latest_generation(self, *, probe: bool = True) -> int:
         """Return the newest published generation (0 when none); cheap, for polling.
+
+        Args:
+            probe: also look past ``head`` for newer generations (one ``stat``); a
+                poller may skip it on most polls (``head`` lags only when a writer
+                died between publishing and re-pointing it, or under NFS caching).
 
         Raises:
             RendezvousConnectionError: the directory cannot be read.
+            RendezvousStateError: the directory was deleted or holds no generation.
         """
         try:
-            raw = fs.read_small(self._dir / "head", limit=64)
-            head = 0
-            if raw is not None:
-                try:
-                    head = int(raw.decode("ascii").strip() or 0)
-                except (UnicodeDecodeError, ValueError):
-                    log.warning("ignoring malformed rendezvous head pointer in %s", self._dir)
-            gen = max(head, self._last_seen)
-            if gen == 0 and raw is None:
+            head = self._read_head()
+            if head is None and self._last_seen > 0:
+                self._check_not_deleted()
+            gen = self._last_seen
+            if head is not None and head > gen:
+                if self._exists(head):
+                    gen = head
+                else:  # points past the newest generation (or at a collected one)
+                    if head > self._last_seen + 1 and not self._exists(self._last_seen + 1):
+                        self._warn_once(f"head{head}", "ignoring rendezvous head %d in %s: no "
+                                        "such generation", head, self._root.path)  # fmt: skip
+            if gen == 0 and not self._exists(0):
                 gen = self._scan()
-            while self._exists(gen + 1):
+            probes = 0
+            while probe and self._exists(gen + 1):
                 gen += 1
+                probes += 1
+                if probes > _MAX_PROBE:  # far behind: find the newest segment
+                    gen = max(gen, self._scan())
+                    probes = 0
             self._last_seen = gen
             return gen
         except OSError as exc:
             raise RendezvousConnectionError(
-                f"cannot read the rendezvous state in {str(self._dir)!r}: {exc}"
+                f"cannot read the rendezvous state in {str(self._root.path)!r}: {exc}"
             ) from exc
 
     def _read_generation(self, generation: int) -> bytes | None:
-        """Return the payload of ``generation``; None if missing; raise ValueError if bad."""
+        """Return the payload of ``generation``; None if missing.
+
+        Raises:
+            MalformedRecordError: the record is corrupt (the message names the file).
+        """
+        seg = self._segment(generation)
+        if seg is None:
+            return None
         try:
-            data = fs.read_small(self._dir / f"state.{generation}")
+            data = seg.read(_name(generation))
         except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a planted symlink: never follow it
-                raise ValueError("is a symlink") from exc
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.EFBIG, errno.ENXIO):
+                raise self._malformed(generation, str(exc)) from exc
             raise
         if data is None:
             return None
-        return _decode_record(data, generation)
+        try:
+            return _decode_record(data, generation)
+        except MalformedRecordError as exc:
+            raise self._malformed(generation, str(exc)) from exc
 
-    def get_state(self) -> tuple[bytes, Any] | None:
-        """See base class. The token is the generation number."""
-        for _ in range(8):
-            gen = self.latest_generation()
-            if gen == 0:
-                return None
-            if self._cached is not None and self._cached[0] == gen:
-                return self._cached[1], gen
-            try:
-                payload = self._newest_valid(gen)
-            except OSError as exc:
-                raise RendezvousConnectionError(
-                    f"cannot read rendezvous state generation {gen} in {str(self._dir)!r}: {exc}"
-                ) from exc
-            if payload is _MISSING:
-                # Collected under our feet (we lagged by KEEP generations): re-scan.
-                self._last_seen = self._scan()
-                continue
-            if not isinstance(payload, bytes):  # pragma: no cover - narrowing for mypy
-                continue
-            self._cached = (gen, payload)
-            return payload, gen
-        raise RendezvousStateError(
-            f"the rendezvous state in {str(self._dir)!r} kept changing or vanishing while "
-            "being read; check that the directory is not being cleaned concurrently"
+    def _malformed(self, generation: int, why: str) -> MalformedRecordError:
+        self._cached = None
+        return MalformedRecordError(
+            f"rendezvous state record {self._file(generation)!r} is malformed ({why}); it was "
+            "damaged or planted. Stop the run's agents and remove its epoch directory "
+            f"{str(self._root.path)!r} (a new epoch is created), or delete the file to fall "
+            "back to the previous generation"
         )
 
-    def _newest_valid(self, gen: int) -> bytes | object:
-        """Payload of the newest well-formed generation <= gen (empty state if none)."""
-        for candidate in range(gen, max(0, gen - self._keep), -1):
-            try:
-                payload = self._read_generation(candidate)
-            except (ValueError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
-                if candidate not in self._warned:
-                    self._warned.add(candidate)
-                    log.warning(
-                        "ignoring malformed rendezvous record %s: %s",
-                        self._dir / f"state.{candidate}",
-                        exc,
-                    )
-                continue
-            if payload is None:
-                if candidate == gen:
-                    return _MISSING
-                break
-            return payload
-        return pickle.dumps(_RendezvousState())
+    def get_state(self) -> tuple[bytes, Any] | None:
+        """See base class. The token is the generation number.
+
+        Raises:
+            RendezvousStateError: the newest record is malformed (named), or the
+                directory was deleted.
+            RendezvousConnectionError: the directory cannot be read.
+        """
+        for _ in range(8):
+            gen = self.latest_generation()
+            if self._cached is not None and self._cached[0] == gen:
+                payload = self._cached[1]
+            else:
+                try:
+                    found = self._read_generation(gen)
+                except OSError as exc:
+                    raise RendezvousConnectionError(
+                        f"cannot read rendezvous state {self._file(gen)!r}: {exc}"
+                    ) from exc
+                if found is None:
+                    # Collected under our feet (we lagged a whole segment) or the
+                    # directory is gone: look again from scratch.
+                    self._check_not_deleted()
+                    self._last_seen = 0
+                    self._last_seen = self._scan()
+                    continue
+                payload = found
+                self._cached = (gen, payload)
+            return (payload, gen) if gen > 0 else None
+        self._check_not_deleted()
+        raise RendezvousStateError(
+            f"the rendezvous state in {str(self._root.path)!r} kept changing or vanishing "
+            "while being read; check that the directory is not being cleaned concurrently"
+        )
 
     # -- writing ---------------------------------------------------------------------
 
-    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
-        """See base class: publish generation ``token + 1`` unless someone else did."""
-        if token is not None and not isinstance(token, int):
-            raise RendezvousStateError(f"token {token!r} is not a generation number")
-        new = (token or 0) + 1
-        try:
-            won = fs.link_exclusive(self._dir, f"state.{new}", encode_record(new, state))
-        except OSError as exc:
-            raise RendezvousConnectionError(
-                f"cannot write rendezvous state generation {new} in {str(self._dir)!r}: {exc}"
-            ) from exc
-        if won:
-            self._last_seen = max(self._last_seen, new)
-            self._cached = (new, state)
-            try:
-                fs.replace_file(self._dir, "head", str(new).encode())
-                if new > self._keep:
-                    fs.remove(self._dir / f"state.{new - self._keep}")
-            except OSError as exc:  # the pointer is only a hint; readers probe past it
-                log.debug("could not update rendezvous head in %s: %s", self._dir, exc)
-            return state, new, True
+    def _current(self) -> tuple[bytes, Any, bool] | None:
         current = self.get_state()
-        if current is None:  # pragma: no cover - the name we lost on exists
-            raise RendezvousStateError(
-                f"rendezvous state generation {new} in {str(self._dir)!r} exists but "
-                "cannot be found; is the directory being cleaned concurrently?"
-            )
+        if current is None:
+            return None
         return current[0], current[1], False
 
+    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        """See base class: publish generation ``token + 1`` only if ``token`` is current.
 
-_MISSING = object()
+        Any other token (older, never issued, of another type) loses and returns the
+        current state and token, or None when there is no state.
+        """
+        t = 0 if token is None else token
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            return self._current()
+        new = t + 1
+        try:
+            if not self._exists(t, fresh=True):  # collected or never issued: not current
+                return self._current()
+            seg = self._segment(new, fresh=new // SEGMENT != t // SEGMENT)
+            if seg is None:
+                if new % SEGMENT != 0:  # a mid-segment name whose segment is gone
+                    return self._current()
+                seg = self._segment(new, create=True)
+                if seg is None or not self._exists(t, fresh=True):  # collected meanwhile
+                    self._segs.pop(new // SEGMENT, None)
+                    self._root.rmdir(_seg(new))
+                    return self._current()
+            try:
+                won = seg.link_exclusive(_name(new), encode_record(new, state))
+            except FileNotFoundError:  # the segment was collected: a stale token
+                won = False
+            # A link into a segment renamed away for collection (through a descriptor
+            # opened before) does not count: the generation is only published if its
+            # segment was still in place after the link.
+            if won and not self._still_linked(seg, new):
+                won = False
+        except OSError as exc:
+            self._check_not_deleted()
+            raise RendezvousConnectionError(
+                f"cannot write rendezvous state {self._file(new)!r}: {exc}"
+            ) from exc
+        if not won:
+            return self._current()
+        self._last_seen = max(self._last_seen, new)
+        self._cached = (new, state)
+        self._update_head(new)
+        if new % SEGMENT == 0:
+            self._collect(new // SEGMENT)
+        return state, new, True
+
+    def _update_head(self, new: int) -> None:
+        """Point ``head`` at ``new`` unless a newer generation exists (best effort)."""
+        try:
+            if self._exists(new + 1):
+                return
+            try:
+                self._root.replace("head", str(new).encode())
+            except IsADirectoryError:  # a planted directory: move it out of the way
+                self._root.rmtree("head")
+                self._root.replace("head", str(new).encode())
+            if self._exists(new + 1):  # overtaken while writing: re-point forward
+                self._root.replace("head", str(self.latest_generation()).encode())
+        except OSError as exc:  # the pointer is only a hint; readers probe past it
+            log.debug("could not update rendezvous head in %s: %s", self._root.path, exc)
+
+    def _collect(self, current_seg: int) -> None:
+        """Remove segments older than the previous one (renamed away, then deleted)."""
+        try:
+            for entry in self._root.listdir():
+                if entry.startswith("seg."):
+                    try:
+                        k = int(entry[4:])
+                    except ValueError:
+                        continue
+                    if k < current_seg - 1:
+                        old = self._segs.pop(k, None)
+                        if old is not None:
+                            old.close()
+                        self._root.rmtree(entry)
+        except OSError as exc:
+            log.debug("could not collect old rendezvous generations: %s", exc)

@@ -51,8 +51,17 @@ def create_handler(
     """
     env = os.environ if environ is None else environ
     options = RendezvousOptions.from_parameters(params)
-    root = Path(params.endpoint) if params.endpoint else default_root(env)
-    run_dir = RunDirectory(root, params.run_id)
+    if params.endpoint:
+        root, anchor = Path(params.endpoint), None
+    else:
+        root = default_root(env)
+        anchor = root.parent  # .slurm_elastic: must be ours, whatever the submit dir is
+    run_dir = RunDirectory(
+        root,
+        params.run_id,
+        anchor=anchor,
+        liveness_window_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
+    )
     incarnation = Incarnation.from_environ(
         env, generation=options.generation, key=options.incarnation
     )

@@ -1,20 +1,27 @@
 """The few filesystem operations the rendezvous relies on, made safe and countable.
 
-Everything the rendezvous does on the shared filesystem goes through this module, so
-the set of primitives is small and reviewable (see ``docs/rendezvous.md``):
+Everything the rendezvous does on the shared filesystem goes through :class:`SafeDir`,
+an *open, checked directory*: every operation is relative to its file descriptor
+(``openat``-style, ``dir_fd=``) and never follows a symlink, so swapping a directory or
+planting a link after the check cannot redirect a read or a write. The primitives (see
+``docs/rendezvous.md``):
 
 * ``mkdir`` (exclusive by nature) and ``rename`` of a freshly built directory,
 * ``open(O_CREAT | O_EXCL | O_NOFOLLOW)`` of private temporary files,
 * ``link(tmp, name)``: an *exclusive*, atomic publication of an immutable file,
 * ``rename(tmp, name)``: an atomic replacement of a small pointer file,
-* ``unlink``, ``listdir`` and ``open`` for reading.
+* ``unlink``, ``listdir`` and ``open(O_NOFOLLOW)`` for reading.
 
 No ``flock``/``fcntl`` lock is ever taken: a process that dies at any point leaves at
 worst an orphaned temporary file, never a lock that blocks the job.
 
-Security: :func:`ensure_private_dir` refuses a directory that is a symlink, is owned by
-another user, or is writable by group/others (the state is read by unpickling), and
-creates missing directories ``0700``. Files are created ``0600`` with ``O_NOFOLLOW``.
+Security (:meth:`SafeDir.open_tree`): the path is walked component by component from a
+*user-owned anchor* with ``O_NOFOLLOW | O_DIRECTORY``; every directory from the anchor
+down must be owned by the user, must not be a symlink, and (below the anchor) must not
+be writable by group/others unless it has the sticky bit; the directories the
+rendezvous uses must not be writable by group/others at all. Missing directories are
+created ``0700`` and ``fchmod``-ed to ``0700`` (a permissive umask, a setgid parent
+or a default ACL cannot widen them). Files are created ``0600``.
 
 :data:`FS_OPS` counts the metadata operations of this process (``open``, ``stat``,
 ``link``, ``rename``, ``unlink``, ``mkdir``, ``listdir``) for the benchmark.
@@ -26,26 +33,21 @@ import contextlib
 import errno
 import os
 import secrets
+import shutil
 import socket
 import stat
 import threading
+import weakref
 from collections import Counter
 from pathlib import Path
 
 from slurm_elastic.errors import RendezvousSetupError
 
-__all__ = [
-    "FS_OPS",
-    "FsOps",
-    "ensure_private_dir",
-    "link_exclusive",
-    "listdir",
-    "read_small",
-    "remove",
-    "replace_file",
-    "tmp_name",
-    "write_in_place",
-]
+__all__ = ["FS_OPS", "FsOps", "MissingDirectoryError", "SafeDir", "open_nofollow"]
+
+
+class MissingDirectoryError(RendezvousSetupError):
+    """A directory that must exist (``create=False``) does not."""
 
 
 class FsOps:
@@ -79,189 +81,376 @@ class FsOps:
 #: Metadata operations done by this process's rendezvous code.
 FS_OPS = FsOps()
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = os.O_NOFOLLOW
+_CLOEXEC = os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC
+_HOST = (socket.gethostname().split(".")[0] or "host").replace("/", "_")
 
 
-def ensure_private_dir(path: Path, *, create: bool = True) -> Path:
-    """Make sure ``path`` is a directory only the current user can write to.
+def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a symlink in the *last* component.
 
-    Args:
-        path: the directory.
-        create: create it (mode ``0700``, parents as needed) when missing.
-
-    Returns:
-        ``path``.
-
-    Raises:
-        RendezvousSetupError: the path is a symlink or not a directory, is owned by
-            another user, or is writable by group or others.
+    For callers outside the rendezvous (e.g. event files) that must not be redirected
+    by a planted link. ``OSError(ELOOP)`` when ``path`` is a symlink.
     """
-    FS_OPS.add("stat")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if not create:
-            raise RendezvousSetupError(
-                f"rendezvous directory {str(path)!r} does not exist; create it on the "
-                "shared filesystem or point the endpoint at an existing one"
-            ) from None
+    return os.open(path, flags | _NOFOLLOW | _CLOEXEC, mode)
+
+
+def _unsafe(path: str, st: os.stat_result, *, level: str) -> str | None:
+    """Why directory ``path`` is unsafe for us, or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path!r} is not a directory; remove it or choose another path"
+    if st.st_uid != os.getuid():
+        return (
+            f"{path!r} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); the "
+            "rendezvous state is unpickled, so only directories you own are safe. Remove "
+            "it (or ask its owner to) or choose another rendezvous directory"
+        )
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    sticky_ok = level == "sticky" and st.st_mode & stat.S_ISVTX
+    if writable and level != "anchor" and not sticky_ok:
+        return (
+            f"{path!r} has mode {stat.S_IMODE(st.st_mode):04o}, writable by group/others: "
+            "someone else could swap what is below it (the state is unpickled, so this "
+            f"allows code execution). Fix: chmod go-w {path!r}"
+        )
+    return None
+
+
+class SafeDir:
+    """A checked directory held open; all operations are relative to its descriptor.
+
+    Build one with :meth:`open_tree`, or :meth:`subdir` of another. The descriptor is
+    closed when the object is garbage-collected or :meth:`close` is called.
+
+    Attributes:
+        path: the path it was opened as (for messages only; never re-resolved).
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent)."""
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"SafeDir({str(self.path)!r})"
+
+    # -- opening -----------------------------------------------------------------------
+
+    @classmethod
+    def open_tree(
+        cls, path: Path | str, *, create: bool = True, anchor: Path | str | None = None
+    ) -> SafeDir:
+        """Open ``path`` walking down from a user-owned anchor without following links.
+
+        Args:
+            path: the directory to open (made absolute, not resolved).
+            create: create missing components (``0700``).
+            anchor: an ancestor from which every component down to ``path`` must be
+                owned by the user (so a component planted by someone else is refused)
+                and, the anchor included, not writable by group/others without the
+                sticky bit.
+                Default: the topmost directory of the run of user-owned directories
+                that ends at ``path``'s deepest existing ancestor (or that ancestor's
+                child, when it is not owned by the user: then everything is created);
+                a derived anchor only needs to be the user's (e.g. a group-writable
+                project directory: a group member could rename what is below it, but
+                never make us use a directory we do not own).
+
+        Raises:
+            RendezvousSetupError: a component is a symlink, not a directory, owned by
+                someone else, writable by group/others (without sticky bit, or at all
+                for ``path`` itself), cannot be created, or ``path`` is missing and
+                ``create`` is False. The message names the path and the fix.
+        """
+        target = Path(os.path.abspath(path))
+        parts = target.parts  # ("/", "a", "b", ...); prefix i = parts[:i]
+        n = len(parts)
+        uid = os.getuid()
+        existing = 1
+        for i in range(n, 0, -1):
+            FS_OPS.add("stat")
+            if os.path.lexists(Path(*parts[:i])):
+                existing = i
+                break
+        if anchor is not None:
+            anchor_path = Path(os.path.abspath(anchor))
+            if target != anchor_path and anchor_path not in target.parents:
+                raise ValueError(f"anchor {anchor_path} is not an ancestor of {target}")
+            a = min(len(anchor_path.parts), existing + 1)
+        else:
+            a = existing + 1
+            while a > 1:
+                FS_OPS.add("stat")
+                st = os.lstat(Path(*parts[: a - 1]))
+                if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                    break
+                a -= 1
+        a = min(a, n)  # the target itself is always checked
+        # Components above the anchor are resolved by the OS (e.g. /home -> /usr/home);
+        # from the anchor down, one checked no-follow openat at a time.
+        base = Path(*parts[: max(a - 1, 1)])
+        FS_OPS.add("open")
         try:
-            FS_OPS.add("mkdir")
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
         except OSError as exc:
             raise RendezvousSetupError(
-                f"cannot create rendezvous directory {str(path)!r}: {exc}; choose a "
-                "writable directory on the shared filesystem"
+                f"cannot open {str(base)!r}: {exc}; choose a rendezvous directory you can reach"
             ) from exc
-        FS_OPS.add("stat")
-        st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise RendezvousSetupError(
-            f"rendezvous directory {str(path)!r} is a symlink; refusing to follow it "
-            "(someone could redirect the state). Use the real path instead"
-        )
-    if not stat.S_ISDIR(st.st_mode):
-        raise RendezvousSetupError(
-            f"rendezvous path {str(path)!r} is not a directory; remove it or choose another path"
-        )
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise RendezvousSetupError(
-            f"rendezvous directory {str(path)!r} is owned by uid {st.st_uid}, not by you "
-            f"(uid {os.getuid()}); the state is unpickled, so only your own directory is "
-            "safe. Use a directory you own"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RendezvousSetupError(
-            f"rendezvous directory {str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}, "
-            "writable by group/others; the state is unpickled, so this allows code "
-            f"execution. Fix: chmod go-w {str(path)!r}"
-        )
-    return path
+        current = cls(fd, base)
+        if a == 1 and os.fstat(fd).st_uid != uid:  # the anchor is "/" itself
+            current.close()
+            raise RendezvousSetupError(f"'/' is not owned by you (uid {uid})")
+        for i in range(max(a - 1, 1), n):
+            last = i == n - 1
+            derived_anchor = anchor is None and i == a - 1
+            level = "strict" if last else ("anchor" if derived_anchor else "sticky")
+            try:
+                nxt = current.subdir(parts[i], create=create, level=level)
+            finally:
+                current.close()
+            current = nxt
+        return current
 
+    def subdir(self, name: str, *, create: bool = True, level: str = "strict") -> SafeDir:
+        """Open (creating ``0700`` if allowed) the child directory ``name``, checked.
 
-def tmp_name(directory: Path, stem: str) -> Path:
-    """Return a unique temporary path in ``directory`` (host, pid and random suffix)."""
-    host = socket.gethostname().split(".")[0] or "host"
-    return directory / f".tmp.{stem}.{host}.{os.getpid()}.{secrets.token_hex(4)}"
+        Args:
+            name: a single path component.
+            create: create it when missing.
+            level: ``"strict"`` (the directories the rendezvous uses): never writable
+                by group/others; ``"sticky"``: writable only with the sticky bit;
+                ``"anchor"``: only ownership is checked.
 
+        Raises:
+            RendezvousSetupError: see :meth:`open_tree`.
+        """
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"{name!r} is not a single path component")
+        path = self.path / name
+        created = False
+        while True:
+            FS_OPS.add("open")
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+                break
+            except FileNotFoundError:
+                if not create:
+                    raise MissingDirectoryError(
+                        f"rendezvous directory {str(path)!r} does not exist; create it on "
+                        "the shared filesystem or point the endpoint at an existing one"
+                    ) from None
+                try:
+                    FS_OPS.add("mkdir")
+                    os.mkdir(name, 0o700, dir_fd=self.fd)
+                    created = True
+                except FileExistsError:
+                    continue
+                except OSError as exc:
+                    raise RendezvousSetupError(
+                        f"cannot create rendezvous directory {str(path)!r}: {exc}; choose a "
+                        "writable directory on the shared filesystem"
+                    ) from exc
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    kind = "a symlink" if self._is_link(name) else "not a directory"
+                    raise RendezvousSetupError(
+                        f"rendezvous path {str(path)!r} is {kind}; refusing to follow it "
+                        "(someone could redirect the state). Remove it or use the real "
+                        "path instead"
+                    ) from exc
+                raise RendezvousSetupError(
+                    f"cannot open rendezvous directory {str(path)!r}: {exc}"
+                ) from exc
+        child = SafeDir(fd, path)
+        st = os.fstat(fd)
+        if created and st.st_uid == os.getuid():
+            # mkdir's mode is filtered by the umask and may inherit setgid/ACL bits.
+            os.fchmod(fd, 0o700)
+            st = os.fstat(fd)
+        problem = _unsafe(str(path), st, level=level)
+        if problem:
+            child.close()
+            raise RendezvousSetupError(f"unsafe rendezvous directory: {problem}")
+        return child
 
-def _write_new(path: Path, data: bytes, *, fsync: bool) -> None:
-    FS_OPS.add("open")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def link_exclusive(directory: Path, name: str, data: bytes, *, fsync: bool = True) -> bool:
-    """Publish ``data`` as ``directory/name`` only if that name does not exist yet.
-
-    The content is written to a private temporary file first and then hard-linked to
-    its final name: ``link(2)`` fails with ``EEXIST`` when the name exists, on every
-    POSIX filesystem including NFS and Lustre, and the file appears with its full
-    content (readers never see a partial file).
-
-    Returns:
-        True when this call created the name; False when it existed already.
-
-    Raises:
-        OSError: any other filesystem error.
-    """
-    tmp = tmp_name(directory, name)
-    _write_new(tmp, data, fsync=fsync)
-    target = directory / name
-    try:
-        FS_OPS.add("link")
-        os.link(tmp, target)
-        return True
-    except FileExistsError:
-        # An NFS retransmission can report EEXIST for a link that did succeed: the
-        # classic check is whether the target is our inode.
+    def _is_link(self, name: str) -> bool:
         try:
-            FS_OPS.add("stat")
-            return os.stat(tmp).st_nlink == 2
+            return stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
         except OSError:
             return False
-    finally:
-        FS_OPS.add("unlink")
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
+    def deleted(self) -> bool:
+        """Whether this directory was removed from the filesystem while held open."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
 
-def replace_file(directory: Path, name: str, data: bytes, *, fsync: bool = False) -> None:
-    """Atomically replace ``directory/name`` with ``data`` (temporary file + rename)."""
-    tmp = tmp_name(directory, name)
-    _write_new(tmp, data, fsync=fsync)
-    try:
+    # -- files ---------------------------------------------------------------------------
+
+    def tmp_name(self, stem: str) -> str:
+        """Return a unique temporary name (host, pid and random suffix)."""
+        return f".tmp.{stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+
+    def _write_new(self, name: str, data: bytes, *, fsync: bool) -> None:
+        FS_OPS.add("open")
+        fd = os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600,
+            dir_fd=self.fd,
+        )  # fmt: skip
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def link_exclusive(self, name: str, data: bytes, *, fsync: bool = False) -> bool:
+        """Publish ``data`` as ``name`` only if that name does not exist yet.
+
+        The content is written to a private temporary file first and then hard-linked
+        to its final name: ``link(2)`` fails with ``EEXIST`` when the name exists, on
+        every POSIX filesystem including NFS and Lustre, and the file appears with its
+        full content (readers never see a partial file).
+
+        Returns:
+            True when this call created the name; False when it existed already.
+
+        Raises:
+            OSError: any other filesystem error.
+        """
+        tmp = self.tmp_name(name)
+        self._write_new(tmp, data, fsync=fsync)
+        try:
+            FS_OPS.add("link")
+            os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            return True
+        except FileExistsError:
+            # An NFS retransmission can report EEXIST for a link that did succeed: the
+            # classic check is whether the target is our inode.
+            try:
+                FS_OPS.add("stat")
+                return os.stat(tmp, dir_fd=self.fd, follow_symlinks=False).st_nlink == 2
+            except OSError:
+                return False
+        finally:
+            FS_OPS.add("unlink")
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+
+    def replace(self, name: str, data: bytes, *, fsync: bool = False) -> None:
+        """Atomically replace ``name`` with ``data`` (temporary file + rename)."""
+        tmp = self.tmp_name(name)
+        self._write_new(tmp, data, fsync=fsync)
+        try:
+            self.rename(tmp, name)
+        except OSError:
+            FS_OPS.add("unlink")
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
+
+    def rename(self, src: str, dst: str, *, dst_dir: SafeDir | None = None) -> None:
+        """``rename(2)`` ``src`` to ``dst`` (in ``dst_dir``, default this directory)."""
         FS_OPS.add("rename")
-        os.replace(tmp, directory / name)
-    except OSError:
+        os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=(dst_dir or self).fd)
+
+    def write_in_place(self, name: str, data: bytes) -> None:
+        """Overwrite the start of ``name`` with ``data``, creating it ``0600`` if missing.
+
+        Used for heartbeat counters: the file keeps its inode, so a writer costs one
+        ``open`` per update whatever the number of nodes. Closing the file flushes it
+        to the server on NFS (close-to-open consistency).
+        """
+        FS_OPS.add("open")
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self.fd)
+        try:
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+    def touch(self, name: str) -> None:
+        """Create the empty file ``name`` (``0600``) if missing."""
+        FS_OPS.add("open")
+        os.close(
+            os.open(name, os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=self.fd)
+        )
+
+    def read(self, name: str, limit: int = 64 << 20) -> bytes | None:
+        """Return the content of regular file ``name`` (no symlink), or None if missing.
+
+        Raises:
+            OSError: the file exists but cannot be read: ``ELOOP`` for a symlink,
+                ``EISDIR`` for a directory, ``EFBIG`` beyond ``limit`` bytes.
+        """
+        FS_OPS.add("open")
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EISDIR, f"{self.path / name} is not a regular file")
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise OSError(errno.EFBIG, f"{self.path / name} is larger than {limit} bytes")
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists (``lstat``; a symlink counts)."""
+        FS_OPS.add("stat")
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def listdir(self) -> list[str]:
+        """Return the names in this directory."""
+        FS_OPS.add("listdir")
+        return os.listdir(self.fd)
+
+    def remove(self, name: str) -> None:
+        """Unlink ``name``, ignoring a missing file."""
+        FS_OPS.add("unlink")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def rmdir(self, name: str) -> None:
+        """Remove the *empty* directory ``name`` (errors ignored)."""
         FS_OPS.add("unlink")
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            os.rmdir(name, dir_fd=self.fd)
 
+    def rmtree(self, name: str) -> None:
+        """Delete the tree ``name`` without following symlinks (errors ignored).
 
-def write_in_place(path: Path, data: bytes) -> None:
-    """Overwrite the start of ``path`` with ``data``, creating it ``0600`` if missing.
-
-    Used for heartbeat counters: the file keeps its inode, so a writer costs one
-    ``open`` per update whatever the number of nodes. Closing the file flushes it to
-    the server on NFS (close-to-open consistency).
-    """
-    FS_OPS.add("open")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
-    try:
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
-
-
-def read_small(path: Path, limit: int = 64 << 20) -> bytes | None:
-    """Return the content of ``path`` (not following a symlink), or None if missing.
-
-    Raises:
-        OSError: the file exists but cannot be read (``ELOOP`` for a planted symlink).
-    """
-    FS_OPS.add("open")
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def listdir(directory: Path) -> list[str]:
-    """Return the names in ``directory`` (empty when it does not exist)."""
-    FS_OPS.add("listdir")
-    try:
-        return os.listdir(directory)
-    except FileNotFoundError:
-        return []
-
-
-def remove(path: Path) -> None:
-    """Unlink ``path``, ignoring a missing file."""
-    FS_OPS.add("unlink")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        The tree is first renamed to a private trash name, atomically, so it disappears
+        from its name at once even when deleting it takes a while.
+        """
+        trash = self.tmp_name(f"trash.{name}")
+        try:
+            self.rename(name, trash)
+        except FileNotFoundError:
+            return
+        except OSError:
+            trash = name
+        FS_OPS.add("unlink")
+        shutil.rmtree(trash, dir_fd=self.fd, ignore_errors=True)  # type: ignore[call-arg]

@@ -33,42 +33,43 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import logging
-import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
-    RendezvousTimeoutError,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousSettings,
-    RendezvousTimeout,
-    _Action,
-    _BackendRendezvousStateHolder,
-    _DistributedRendezvousOpExecutor,
-    _NodeDesc,
-    _remove_participant_epilogue,
-    _RendezvousContext,
-    _RendezvousExitOp,
-    _RendezvousJoinOp,
-    _RendezvousState,
 )
 
 from slurm_elastic import events
-from slurm_elastic.rendezvous.backend import BACKEND_NAME, FileRendezvousBackend
+from slurm_elastic.rendezvous.backend import BACKEND_NAME
+from slurm_elastic.rendezvous.executor import (
+    CounterStateHolder,
+    LeaveOp,
+    PollingOpExecutor,
+    ReformJoinOp,
+)
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
+from slurm_elastic.rendezvous.join_intents import (
+    IntentBoard,
+)
 from slurm_elastic.rendezvous.options import RendezvousOptions
 from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
+from slurm_elastic.rendezvous.torch_compat import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousExitOp,
+    _RendezvousState,
+)
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
 
 __all__ = ["SlurmRendezvousHandler"]
@@ -78,183 +79,12 @@ log = logging.getLogger(__name__)
 # Torch's keep-alive is replaced by counter heartbeats: an interval this long means
 # torch never decides a keep-alive is due.
 _NEVER = timedelta(days=3650)
-_POLL_CAP_S = 0.25
-_SLOT_S = 0.005
 
 
-class _CounterStateHolder(_BackendRendezvousStateHolder):
-    """Torch's state holder without its wall-clock dead-node sweep."""
-
-    def _sanitize(self) -> None:
-        self._dead_nodes = []
-
-    def invalidate(self) -> None:
-        """Make the next :meth:`sync` read the backend."""
-        self._last_sync_time = -1
-
-    @property
-    def token(self) -> Any:
-        """The generation of the state last read or written."""
-        return self._token
-
-
-class _PollingOpExecutor(_DistributedRendezvousOpExecutor):
-    """Torch's op loop with change-driven polling and compare-and-set backoff."""
-
-    def __init__(
-        self,
-        node: _NodeDesc,
-        holder: _CounterStateHolder,
-        settings: RendezvousSettings,
-        backend: FileRendezvousBackend,
-        poll_s: float,
-        reform_grace_s: float,
-    ) -> None:
-        super().__init__(node, holder, settings)
-        self._holder = holder
-        self._backend = backend
-        self._poll_s = poll_s
-        self._reform_grace_s = reform_grace_s
-
-    def run(
-        self,
-        state_handler: Callable[[_RendezvousContext, float], _Action],
-        deadline: float,
-        update_deadline: Callable[[timedelta], float] | None = None,
-    ) -> None:
-        """See base class."""
-        action = None
-        losses = 0
-        while action != _Action.FINISH:
-            has_set = self._holder.sync()
-            if has_set is False:
-                # Binary exponential backoff: many nodes joining at once otherwise keep
-                # colliding (each loss costs a re-read and another write attempt).
-                losses += 1
-                time.sleep(random.uniform(0, _SLOT_S * (2 ** min(losses, 6))))
-                # Others wrote while we slept: decide on a fresh state, or the next
-                # compare-and-set is lost for certain.
-                self._holder.invalidate()
-                self._holder.sync()
-            self._state = self._holder.state
-            ctx = _RendezvousContext(self._node, self._state, self._settings)
-            action = state_handler(ctx, deadline)
-            if action == _Action.FINISH:
-                continue
-            if action == _Action.ERROR_CLOSED:
-                raise RendezvousClosedError(
-                    f"the rendezvous of run {self._settings.run_id!r} is closed (the run "
-                    "finished or failed); requeue the job or use a new run id to start again"
-                )
-            if action == _Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(
-                    f"rendezvous of run {self._settings.run_id!r} timed out with "
-                    f"{len(self._state.participants)} of min {self._settings.min_nodes} nodes; "
-                    "raise join_timeout or check why the other nodes did not start"
-                )
-            if action == _Action.SYNC:
-                self._wait_for_change(deadline)
-                continue
-            if action in (
-                _Action.REMOVE_FROM_PARTICIPANTS,
-                _Action.REMOVE_FROM_WAIT_LIST,
-                _Action.REMOVE_FROM_REDUNDANCY_LIST,
-            ):
-                # An eviction by a watcher may have dropped our entry; torch's removal
-                # code indexes it unconditionally.
-                self._state.last_heartbeats.setdefault(self._node, datetime.now(timezone.utc))
-            self._apply(action)
-            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
-                deadline = update_deadline(self._settings.timeout.join)
-            self._holder.mark_dirty()
-
-    def _record(self, message: str, node_state: Any = None) -> None:
-        # Torch's version builds an event with inspect.stack() (milliseconds of CPU per
-        # call, and per state change); our own events cover the lifecycle.
-        log.debug("%s", message)
-
-    def _apply(self, action: _Action) -> None:
-        handlers: dict[_Action, Callable[[], None]] = {
-            _Action.KEEP_ALIVE: self._keep_alive,
-            _Action.ADD_TO_PARTICIPANTS: self._add_to_participants,
-            _Action.ADD_TO_WAIT_LIST: self._add_to_wait_list,
-            _Action.ADD_TO_REDUNDANCY_LIST: self._add_to_redundancy_list,
-            _Action.REMOVE_FROM_PARTICIPANTS: self._remove_from_participants,
-            _Action.REMOVE_FROM_WAIT_LIST: self._remove_from_wait_list,
-            _Action.REMOVE_FROM_REDUNDANCY_LIST: self._remove_from_redundancy_list,
-            _Action.MARK_RENDEZVOUS_COMPLETE: self._mark_rendezvous_complete,
-            _Action.MARK_RENDEZVOUS_CLOSED: self._mark_rendezvous_closed,
-        }
-        handlers[action]()
-
-    def _wait_for_change(self, deadline: float) -> None:
-        """Sleep until the state changes, 1 s passes, or a last-call deadline is due."""
-        now = time.monotonic()
-        wake = min(now + 1.0, deadline)
-        last_call = self._state.deadline
-        if last_call is not None:
-            due = (last_call - datetime.now(timezone.utc)).total_seconds()
-            early = due - self._settings.timeout.last_call.total_seconds() + self._reform_grace_s
-            for at in (due, early):
-                if at > 0:
-                    wake = min(wake, now + at + 0.005)
-        seen = self._holder.token
-        delay = self._poll_s
-        while True:
-            now = time.monotonic()
-            if now >= wake:
-                break
-            time.sleep(min(delay, wake - now))
-            delay = min(delay * 2, _POLL_CAP_S)
-            if self._backend.latest_generation() != seen:
-                break
-        self._holder.invalidate()
-
-
-class _ReformJoinOp(_RendezvousJoinOp):
-    """Torch's join, plus: a re-formation completes once nobody else is expected.
-
-    In a round after the first, every member of the previous round has already left it
-    (that is what started this round) and the nodes that will join are on the wait
-    list. Once the wait list is empty, ``min_nodes`` have joined and a short grace
-    (for nodes between two state writes) has passed, waiting the rest of the last
-    call only delays recovery: the round completes. A node that turns up later is a
-    late joiner as usual (it waits and the members restart).
-    """
-
-    def __init__(self, grace: timedelta) -> None:
-        self._grace = grace
-
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
-        state = ctx.state
-        if (
-            not state.closed
-            and not state.complete
-            and state.round > 0
-            and state.deadline is not None
-            and not state.wait_list
-            and ctx.node in state.participants
-            and len(state.participants) >= ctx.settings.min_nodes
-            and datetime.now(timezone.utc)
-            >= state.deadline - ctx.settings.timeout.last_call + self._grace
-        ):
-            return _Action.MARK_RENDEZVOUS_COMPLETE
-        return super().__call__(ctx, deadline)
-
-
-class _LeaveOp:
-    """Remove this node from participants, wait list and redundancy list."""
-
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
-        if ctx.node in ctx.state.participants:
-            if time.monotonic() > deadline:
-                return _Action.ERROR_TIMEOUT
-            return _Action.REMOVE_FROM_PARTICIPANTS
-        if ctx.node in ctx.state.wait_list:
-            return _Action.REMOVE_FROM_WAIT_LIST
-        if ctx.node in ctx.state.redundancy_list:
-            return _Action.REMOVE_FROM_REDUNDANCY_LIST
-        return _Action.FINISH
+def _members_digest(participants: dict[_NodeDesc, int]) -> str:
+    """A digest of a round's members and ranks (rank 0 publishes it with the store)."""
+    text = ",".join(f"{n!r}={r}" for n, r in sorted(participants.items(), key=lambda x: x[1]))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _leave_at_exit(ref: weakref.ReferenceType[SlurmRendezvousHandler]) -> None:
@@ -301,20 +131,24 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             keep_alive_max_attempt=3,
         )  # fmt: skip
         backend = epoch.backend()
-        holder = _CounterStateHolder(
+        holder = CounterStateHolder(
             backend,
             settings,
             cache_duration=min(0.5, options.heartbeat_interval_s),  # type: ignore[arg-type]
         )
         super().__init__(node, settings, BACKEND_NAME, dist.HashStore(), holder)
         self._holder = holder
-        self._op_executor = _PollingOpExecutor(
+        self._op_executor = self._executor = PollingOpExecutor(
             node,
             holder,
             settings,
             backend,
             options.poll_interval_s,
             min(options.reform_grace_s, options.last_call_timeout_s),
+            IntentBoard(epoch.intents),
+            # A pending node merges the intents itself once the designated merger
+            # could have been declared dead (it may have died after posting).
+            takeover_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
         )
         self._reform_grace = timedelta(
             seconds=min(options.reform_grace_s, options.last_call_timeout_s)
@@ -325,7 +159,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._local_addr = local_addr
         self._node_name = repr(node)
         self._monitor = HeartbeatMonitor(
-            epoch.hb_dir,
+            epoch.hb,
             self._node_name,
             interval_s=options.heartbeat_interval_s,
             miss_limit=options.heartbeat_miss_limit,
@@ -396,7 +230,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             thread.join(timeout=max(2.0, 2 * self._options.heartbeat_interval_s))
 
     def _run_monitor(self, stop: threading.Event) -> None:
-        holder = _CounterStateHolder(self._epoch.backend(), self._settings, cache_duration=0)
+        holder = CounterStateHolder(self._epoch.backend(), self._settings, cache_duration=0)
         # Observe twice per beat interval: verdicts lag a stopped counter by at most
         # half an interval (the window itself is unchanged).
         tick = self._options.heartbeat_interval_s / 2
@@ -421,7 +255,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                 log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
             stop.wait(max(0.0, tick - (time.monotonic() - started)))
 
-    def _evict(self, holder: _CounterStateHolder, dead: list[_NodeDesc]) -> None:
+    def _evict(self, holder: CounterStateHolder, dead: list[_NodeDesc]) -> None:
         for _ in range(64):
             state: _RendezvousState = holder.state
             changed = removed_participant = False
@@ -436,6 +270,9 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                     state.redundancy_list.discard(node)
                     changed = True
                 state.last_heartbeats.pop(node, None)
+            board = IntentBoard(self._epoch.intents)
+            for node in dead:  # a dead node's intent must not bring it back
+                board.withdraw(IntentBoard.name(node))
             if not changed:
                 return
             if removed_participant:
@@ -467,6 +304,25 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             and rank0 in state.participants
         )
 
+    def join_round(self, deadline: float) -> tuple[int, dict[_NodeDesc, int]]:
+        """Run the join protocol only (exit the last round, join the next one).
+
+        No heartbeat thread and no workers' store: :meth:`next_rendezvous` adds those.
+        Used directly by ``bench/rendezvous.py`` to simulate many agents in threads.
+
+        Returns:
+            ``(round, {node: rank})`` of the completed round.
+        """
+        with self._heartbeat_lock:
+            self._op_executor.run(_RendezvousExitOp(), deadline)
+            self._op_executor.run(
+                ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
+                deadline,
+                self._get_deadline,
+            )
+            state = self._holder.state
+            return state.round, dict(state.participants)
+
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; return rank, world size and this round's stores.
 
@@ -479,14 +335,14 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._ensure_monitor()
         deadline = self._get_deadline(self._settings.timeout.join)
         while True:
-            with self._heartbeat_lock:
-                self._op_executor.run(_RendezvousExitOp(), deadline)
-                self._op_executor.run(
-                    _ReformJoinOp(self._reform_grace), deadline, self._get_deadline
-                )
-                state = self._holder.state
-                participants = dict(state.participants)
-                round_ = state.round
+            round_, participants = self.join_round(deadline)
+            if sorted(participants.values()) != list(range(len(participants))):
+                # A member was evicted (or left) between the round's completion and
+                # this node's read: the ranks have a hole. The round is broken for
+                # everyone; join the next one instead of returning a bad rank.
+                log.info("rendezvous %r: round %d lost a member; joining again",
+                         self._settings.run_id, round_)  # fmt: skip
+                continue
             rank, world = participants[self._this_node], len(participants)
             rank0 = next(n for n, r in participants.items() if r == 0)
             try:
@@ -496,6 +352,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                     repr(rank0),
                     functools.partial(self._round_is_current, round_, rank0),
                     deadline,
+                    members=_members_digest(participants),
                 )
             except RoundLostError as exc:
                 log.info("rendezvous %r: %s; joining again", self._settings.run_id, exc)
@@ -561,7 +418,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._worker_store.close()
         with self._heartbeat_lock:
             self._holder.invalidate()
-            self._op_executor.run(_LeaveOp(), self._get_deadline(self._settings.timeout.close))
+            self._op_executor.run(LeaveOp(), self._get_deadline(self._settings.timeout.close))
         self._monitor.remove()
         self._round_members = None
         log.info("rendezvous %r: node %s left", self._settings.run_id, self._node_name)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_elastic.rendezvous import filesystem as fs
+from slurm_elastic.rendezvous.filesystem import SafeDir
 
 __all__ = ["HeartbeatMonitor", "node_file_name"]
 
@@ -59,7 +59,8 @@ class HeartbeatMonitor:
     """Beat for one node and judge the liveness of its ring successors.
 
     Args:
-        directory: the epoch's ``hb`` directory.
+        directory: the epoch's ``hb`` directory (a checked :class:`SafeDir`; a path is
+            opened and checked).
         node: this node's name (its heartbeat file name derives from it).
         interval_s: the beat and observation interval.
         miss_limit: unchanged intervals after which a watched node is dead.
@@ -70,7 +71,7 @@ class HeartbeatMonitor:
 
     def __init__(
         self,
-        directory: Path,
+        directory: SafeDir | Path,
         node: str,
         *,
         interval_s: float,
@@ -79,7 +80,7 @@ class HeartbeatMonitor:
         clock: Callable[[], float] = time.monotonic,
         reader: Callable[[str], int | None] | None = None,
     ) -> None:
-        self._dir = directory
+        self._dir = directory if isinstance(directory, SafeDir) else SafeDir.open_tree(directory)
         self.node = node
         self._interval = interval_s
         self._miss_limit = miss_limit
@@ -98,7 +99,7 @@ class HeartbeatMonitor:
         """Increment and write this node's counter (one ``open``)."""
         self._counter += 1
         try:
-            fs.write_in_place(self._dir / node_file_name(self.node), _COUNTER.pack(self._counter))
+            self._dir.write_in_place(node_file_name(self.node), _COUNTER.pack(self._counter))
         except OSError as exc:  # a missed beat is survivable; a crash of the thread is not
             log.warning("could not write heartbeat %s: %s", self._dir, exc)
 
@@ -109,13 +110,13 @@ class HeartbeatMonitor:
     def remove(self) -> None:
         """Delete this node's heartbeat file (graceful leave)."""
         try:
-            fs.remove(self._dir / node_file_name(self.node))
+            self._dir.remove(node_file_name(self.node))
         except OSError as exc:
             log.debug("could not remove heartbeat file: %s", exc)
 
     def _read_counter(self, node: str) -> int | None:
         try:
-            raw = fs.read_small(self._dir / node_file_name(node), limit=64)
+            raw = self._dir.read(node_file_name(node), limit=64)
         except OSError:
             return None
         if raw is None or len(raw) < _COUNTER.size:

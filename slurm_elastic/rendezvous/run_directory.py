@@ -5,9 +5,10 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
     <root>/                     0700, owned by the user (checked)
       <run_id>/                 one per run id: two runs may share a root
         epoch.<k>/              one per *epoch*: a state that agents may join
-          meta                  JSON: generation (who may join), created_by
-          head, state.<n>       the rendezvous state (see backend.py)
+          meta                  JSON: generation (who may join), created_by, Slurm job
+          head, seg.<k>/state.<n>  the rendezvous state (see backend.py)
           hb/<node>             heartbeat counters (see heartbeat.py)
+          intents/<node>        join intents (see join_intents.py)
           keys/<incarnation>    one empty file per job incarnation that took part
           store                 JSON: the current round's worker-store address
 
@@ -19,7 +20,9 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
   so a requeued task rejoins the running tasks of its array (the run is not reset).
 * ``key`` identifies this allocation: ``<SLURM_JOB_ID>.<restart_count>``.
 
-A starting agent takes the newest epoch when it is empty, or open with its generation;
+A starting agent takes the newest epoch when it is open with its generation (an open
+epoch of *another* generation that is still live, judged by its heartbeats over one
+liveness window, makes it fail with :class:`RunIdInUseError`: two jobs never share one);
 when the epoch is *closed* it raises :class:`RendezvousClosedError` if its own key took
 part in that epoch (a late agent of a finished job), and otherwise opens a new epoch:
 a closed run never poisons a requeue. Epochs are created by ``rename`` of a fully built
@@ -32,12 +35,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import shutil
+import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +48,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from slurm_elastic.rendezvous import filesystem as fs
-from slurm_elastic.rendezvous.backend import FileRendezvousBackend, decode_state
+from slurm_elastic.errors import RendezvousSetupError
+from slurm_elastic.rendezvous.backend import FileRendezvousBackend, decode_state, init_state_dir
+from slurm_elastic.rendezvous.filesystem import SafeDir
 
-__all__ = ["Epoch", "Incarnation", "RunDirectory", "safe_component"]
+__all__ = ["Epoch", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_component"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,7 @@ class Incarnation:
 
     generation: str
     key: str
+    job: dict[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
     def from_environ(
@@ -93,33 +97,73 @@ class Incarnation:
         from slurm_elastic.slurm.env import SlurmEnv
 
         env = SlurmEnv.from_environ(environ)
+        job: dict[str, Any] | None = None
         if env.in_slurm:
             own = f"{env.job_id}.{env.restart_count}"
             derived_gen = f"array-{env.array_job_id}" if env.array_job_id else f"job-{own}"
             derived_key = own
+            job = {
+                "id": str(env.array_job_id or env.job_id),
+                "job_id": str(env.job_id),
+                "restart": int(env.restart_count),
+            }
         else:
             derived_gen = "local"
             derived_key = f"local-{uuid.uuid4().hex}"
-        return cls(generation or derived_gen, key or derived_key)
+        return cls(generation or derived_gen, key or derived_key, job)
+
+
+class RunIdInUseError(RendezvousSetupError):
+    """The run id is used by another live job (its epoch is open and changing)."""
 
 
 class Epoch:
-    """One epoch directory: the state backend and its side files."""
+    """One epoch directory (held open): the state backend and its side files.
 
-    def __init__(self, path: Path, number: int) -> None:
-        self.path = path
+    Args:
+        directory: the checked, open epoch directory.
+        number: the epoch number.
+    """
+
+    def __init__(self, directory: SafeDir, number: int) -> None:
+        self.dir = directory
+        self.path = directory.path
         self.number = number
-        self.hb_dir = path / "hb"
-        self.keys_dir = path / "keys"
+        self.hb_dir = self.path / "hb"
+        self.keys_dir = self.path / "keys"
+        self._hb: SafeDir | None = None
+        self._keys: SafeDir | None = None
+        self._intents: SafeDir | None = None
+
+    @property
+    def hb(self) -> SafeDir:
+        """The heartbeat directory (opened and checked on first use)."""
+        if self._hb is None:
+            self._hb = self.dir.subdir("hb", create=True)
+        return self._hb
+
+    @property
+    def intents(self) -> SafeDir:
+        """The directory of join intents (opened and checked on first use)."""
+        if self._intents is None:
+            self._intents = self.dir.subdir("intents", create=True)
+        return self._intents
+
+    @property
+    def keys(self) -> SafeDir:
+        """The directory of incarnation keys (opened and checked on first use)."""
+        if self._keys is None:
+            self._keys = self.dir.subdir("keys", create=True)
+        return self._keys
 
     def backend(self) -> FileRendezvousBackend:
         """Return a new backend object on this epoch (one per thread)."""
-        return FileRendezvousBackend(self.path)
+        return FileRendezvousBackend(self.dir)
 
     def meta(self) -> dict[str, Any] | None:
         """Return the epoch's metadata, or None when missing or malformed."""
         try:
-            raw = fs.read_small(self.path / "meta", limit=1 << 16)
+            raw = self.dir.read("meta", limit=1 << 16)
             if raw is None:
                 return None
             meta = json.loads(raw)
@@ -133,26 +177,36 @@ class Epoch:
 
     def register_key(self, key: str) -> None:
         """Record that incarnation ``key`` takes part in this epoch."""
-        path = self.keys_dir / safe_component(key)
-        fs.FS_OPS.add("open")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        os.close(fd)
+        self.keys.touch(safe_component(key))
 
     def has_key(self, key: str) -> bool:
         """Whether incarnation ``key`` took part in this epoch."""
-        fs.FS_OPS.add("stat")
-        return os.path.lexists(self.keys_dir / safe_component(key))
+        return self.keys.exists(safe_component(key))
 
-    def publish_store(self, round_: int, node: str, addr: str, port: int) -> None:
-        """Publish the worker-store address of round ``round_`` (atomic replace)."""
-        record = {"round": round_, "node": node, "addr": addr, "port": port}
-        fs.replace_file(self.path, "store", json.dumps(record).encode())
+    def publish_store(
+        self, round_: int, node: str, addr: str, port: int, members: str = ""
+    ) -> None:
+        """Publish the worker-store address of round ``round_`` (atomic replace).
+
+        ``members``: rank 0's digest of the round's members and ranks.
+        """
+        record = {"round": round_, "node": node, "addr": addr, "port": port, "members": members}
+        self.dir.replace("store", json.dumps(record).encode())
 
     def read_store(self) -> dict[str, Any] | None:
-        """Return the published worker-store record, or None (missing/malformed)."""
+        """Return the published worker-store record, or None (missing/malformed).
+
+        Raises:
+            RendezvousStateError: the epoch directory was deleted.
+        """
         try:
-            raw = fs.read_small(self.path / "store", limit=1 << 16)
+            raw = self.dir.read("store", limit=1 << 16)
             if raw is None:
+                if self.dir.deleted():
+                    raise RendezvousStateError(
+                        f"the rendezvous directory {str(self.path)!r} was deleted while in "
+                        "use; restart the job and keep the directory while it runs"
+                    )
                 return None
             rec = json.loads(raw)
         except (OSError, ValueError) as exc:
@@ -169,6 +223,26 @@ class Epoch:
             return None
         return rec
 
+    def activity(self) -> tuple[Any, ...]:
+        """A snapshot that changes while any agent is active in this epoch.
+
+        The newest state generation and every heartbeat counter: a live member beats
+        every heartbeat interval, so two snapshots one liveness window apart differ
+        if (and only if, barring a stall that long) a member is alive.
+        """
+        try:
+            gen = self.backend().latest_generation()
+        except RendezvousStateError:
+            gen = -1
+        beats = []
+        try:
+            for name in sorted(self.hb.listdir()):
+                if not name.startswith(".tmp"):
+                    beats.append((name, self.hb.read(name, limit=64)))
+        except OSError:
+            pass
+        return gen, tuple(beats)
+
 
 class RunDirectory:
     """The directory of one run id under a private rendezvous root.
@@ -176,19 +250,33 @@ class RunDirectory:
     Args:
         root: the rendezvous root (created ``0700`` if missing, refused if unsafe).
         run_id: the run id (any string; mapped to a safe directory name).
+        anchor: the ancestor from which every directory must be the user's (see
+            :meth:`SafeDir.open_tree`; default: derived from ownership).
+        liveness_window_s: how long a foreign epoch is watched for activity before
+            it is judged dead (the heartbeat window of the run).
 
     Raises:
         RendezvousSetupError: the root or run directory is unsafe or unusable.
     """
 
-    def __init__(self, root: Path, run_id: str) -> None:
-        self.root = fs.ensure_private_dir(Path(root))
+    def __init__(
+        self,
+        root: Path,
+        run_id: str,
+        *,
+        anchor: Path | None = None,
+        liveness_window_s: float = 5.0,
+    ) -> None:
+        self.root = Path(root)
+        self._root_dir = SafeDir.open_tree(self.root, anchor=anchor)
         self.run_id = run_id
-        self.path = fs.ensure_private_dir(self.root / safe_component(run_id))
+        self.dir = self._root_dir.subdir(safe_component(run_id))
+        self.path = self.dir.path
+        self._liveness_window_s = liveness_window_s
 
     def _epochs(self) -> list[int]:
         numbers = []
-        for name in fs.listdir(self.path):
+        for name in self.dir.listdir():
             if name.startswith("epoch."):
                 try:
                     numbers.append(int(name[6:]))
@@ -197,22 +285,34 @@ class RunDirectory:
         return sorted(numbers)
 
     def epoch(self, number: int) -> Epoch:
-        """Return epoch ``number`` (not checked for existence)."""
-        return Epoch(self.path / f"epoch.{number}", number)
+        """Open epoch ``number`` (checked).
+
+        Raises:
+            RendezvousSetupError: it is missing or unsafe.
+        """
+        return Epoch(self.dir.subdir(f"epoch.{number}", create=False), number)
 
     def _create(self, number: int, incarnation: Incarnation) -> None:
-        tmp = fs.tmp_name(self.path, f"epoch.{number}")
-        fs.FS_OPS.add("mkdir", 3)
-        os.mkdir(tmp, 0o700)
-        os.mkdir(tmp / "hb", 0o700)
-        os.mkdir(tmp / "keys", 0o700)
-        meta = {"generation": incarnation.generation, "created_by": incarnation.key}
-        fs.replace_file(tmp, "meta", json.dumps(meta).encode())
+        tmp_name = self.dir.tmp_name(f"epoch.{number}")
+        tmp = self.dir.subdir(tmp_name, create=True)
         try:
-            fs.FS_OPS.add("rename")
-            os.rename(tmp, self.path / f"epoch.{number}")
+            tmp.subdir("hb").close()
+            tmp.subdir("keys").close()
+            tmp.subdir("intents").close()
+            init_state_dir(tmp)
+            meta = {
+                "generation": incarnation.generation,
+                "created_by": incarnation.key,
+                "job": incarnation.job,
+                "liveness_window_s": self._liveness_window_s,
+            }
+            tmp.replace("meta", json.dumps(meta).encode())
+        finally:
+            tmp.close()
+        try:
+            self.dir.rename(tmp_name, f"epoch.{number}")
         except OSError:  # another agent created it first: use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.dir.rmtree(tmp_name)
             return
         log.info(
             "rendezvous run %r: opened epoch %d for generation %s",
@@ -222,13 +322,32 @@ class RunDirectory:
         )
         for old in self._epochs():
             if old < number - 2:
-                shutil.rmtree(self.path / f"epoch.{old}", ignore_errors=True)
+                self.dir.rmtree(f"epoch.{old}")
+
+    def _foreign_is_live(self, epoch: Epoch, meta: dict[str, Any], me: Incarnation) -> bool:
+        """Whether the open epoch of another generation still has live agents."""
+        theirs = meta.get("job")
+        if isinstance(theirs, dict) and me.job is not None:
+            same_job = theirs.get("id") == me.job.get("id") and theirs.get("id") is not None
+            if same_job and theirs.get("restart", 0) < me.job.get("restart", 0):
+                return False  # our own job before its requeue: it is dead
+        window = meta.get("liveness_window_s", self._liveness_window_s)
+        if not isinstance(window, (int, float)) or not 0 < window < 3600:
+            window = self._liveness_window_s
+        before = epoch.activity()
+        deadline = time.monotonic() + float(window) * 1.2
+        while time.monotonic() < deadline:
+            time.sleep(min(0.25, float(window) / 4))
+            if epoch.activity() != before:
+                return True
+        return False
 
     def select_epoch(self, incarnation: Incarnation) -> Epoch:
         """Return the epoch this agent must join, creating a new one when needed.
 
         Raises:
             RendezvousClosedError: the newest epoch was closed by this incarnation.
+            RunIdInUseError: the newest epoch belongs to another job that is live.
             RendezvousSetupError: an epoch directory is unsafe.
             RendezvousStateError: no epoch could be settled on.
         """
@@ -238,20 +357,18 @@ class RunDirectory:
                 self._create(1, incarnation)
                 continue
             epoch = self.epoch(numbers[-1])
-            fs.ensure_private_dir(epoch.path, create=False)
             meta = epoch.meta()
             if meta is None:
                 self._create(epoch.number + 1, incarnation)
                 continue
-            current = epoch.backend().get_state()
-            closed = False
-            if current is not None:
-                try:
-                    closed = decode_state(current[0]).closed
-                except Exception as exc:  # a malformed newest record: start afresh
-                    log.warning("rendezvous state in %s unreadable (%s)", epoch.path, exc)
-                    self._create(epoch.number + 1, incarnation)
-                    continue
+            try:
+                current = epoch.backend().get_state()
+                closed = current is not None and decode_state(current[0]).closed
+            except RendezvousStateError as exc:  # a malformed newest record: start afresh
+                log.warning("rendezvous state in %s unusable (%s); opening a new epoch",
+                            epoch.path, exc)  # fmt: skip
+                self._create(epoch.number + 1, incarnation)
+                continue
             if closed:
                 if epoch.has_key(incarnation.key):
                     raise RendezvousClosedError(
@@ -261,9 +378,17 @@ class RunDirectory:
                     )
                 self._create(epoch.number + 1, incarnation)
                 continue
-            if current is not None and meta["generation"] != incarnation.generation:
+            if meta["generation"] != incarnation.generation:
+                if self._foreign_is_live(epoch, meta, incarnation):
+                    raise RunIdInUseError(
+                        f"rendezvous run id {self.run_id!r} is in use by another live job "
+                        f"({_describe(meta)}; epoch {str(epoch.path)!r}), not by this one "
+                        f"({incarnation.generation}). Two jobs must not share a run id: "
+                        "give this job another --rdzv-id (run_id), or stop the other job"
+                    )
                 log.info(
-                    "rendezvous run %r: epoch %d belongs to %s, not %s; not joining it",
+                    "rendezvous run %r: epoch %d belongs to %s (no longer active), not %s; "
+                    "opening a new one",
                     self.run_id,
                     epoch.number,
                     meta["generation"],
@@ -271,11 +396,16 @@ class RunDirectory:
                 )
                 self._create(epoch.number + 1, incarnation)
                 continue
-            fs.ensure_private_dir(epoch.hb_dir)
-            fs.ensure_private_dir(epoch.keys_dir)
             epoch.register_key(incarnation.key)
             return epoch
         raise RendezvousStateError(
             f"could not settle on a rendezvous epoch in {str(self.path)!r}; check that no "
             "other process keeps creating epochs there"
         )
+
+
+def _describe(meta: dict[str, Any]) -> str:
+    job = meta.get("job")
+    if isinstance(job, dict) and job.get("id") is not None:
+        return f"Slurm job {job.get('id')}, generation {meta['generation']}"
+    return f"generation {meta['generation']}"

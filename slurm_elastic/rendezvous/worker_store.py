@@ -135,8 +135,15 @@ class WorkerStoreOwner:
         rank0_node: str,
         round_is_current: Callable[[], bool],
         deadline: float,
+        members: str = "",
     ) -> tuple[dist.Store, RendezvousStoreInfo]:
         """Return ``(agent store, worker store address)`` for round ``round_``.
+
+        ``members`` is a digest of the round's members and ranks as this node read
+        them: rank 0 publishes its own with the address; another rank whose view
+        differs (a member was removed between the round's completion and its read)
+        does not use the round. So every node that returns a round agrees with its
+        rank 0 on members and ranks.
 
         Raises:
             RoundLostError: the round stopped being current (caller re-joins).
@@ -147,7 +154,7 @@ class WorkerStoreOwner:
         if rank == 0:
             server = self._serve()
             self._store = server
-            self._epoch.publish_store(round_, self._node, self._addr, server.port)
+            self._epoch.publish_store(round_, self._node, self._addr, server.port, members)
             return dist.PrefixStore(prefix, server), RendezvousStoreInfo(self._addr, server.port)
         # Spread the clients' connects: a burst of a few dozen simultaneous connects
         # makes some of them stall ~5 s inside TCPStore (measured: 31 at once).
@@ -157,6 +164,8 @@ class WorkerStoreOwner:
         while True:
             rec = self._epoch.read_store()
             if rec is not None and rec["round"] == round_ and rec["node"] == rank0_node:
+                if rec.get("members", members) != members:
+                    raise RoundLostError(f"round {round_} changed members before this node read it")
                 try:
                     client = dist.TCPStore(
                         host_name=rec["addr"],

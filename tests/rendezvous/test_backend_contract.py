@@ -7,7 +7,6 @@ Torch's ``C10dRendezvousBackend`` over a ``FileStore`` is the reference: every t
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -19,11 +18,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from slurm_elastic.rendezvous import filesystem as fs
-from slurm_elastic.rendezvous.backend import FileRendezvousBackend, encode_record
+from slurm_elastic.rendezvous.backend import SEGMENT, FileRendezvousBackend, encode_record
 from tests.helpers import wait_for
 
 _CTX = mp.get_context("fork")
@@ -143,20 +143,20 @@ class TestBackendContract:
             assert time.monotonic() < deadline
 
 
-def test_torn_and_garbage_records_are_skipped_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_torn_and_garbage_newest_records_raise_naming_the_file(tmp_path: Path) -> None:
     b = _ours(tmp_path)
     _, token, _ = b.set_state(_state(7), None)
     good = encode_record(token + 1, _state(8))
-    (tmp_path / f"state.{token + 1}").write_bytes(good[: len(good) // 2])  # torn
-    (tmp_path / f"state.{token + 2}").write_bytes(b"garbage")
-    with caplog.at_level(logging.WARNING):
-        blob, latest = FileRendezvousBackend(tmp_path).get_state()
-    assert _round(blob) == 7 and latest == token + 2
-    assert "malformed rendezvous record" in caplog.text
-    blob, _, ok = b.set_state(_state(9), latest)  # writers move past the bad records
-    assert ok and _round(FileRendezvousBackend(tmp_path).get_state()[0]) == 9
+    seg = tmp_path / "seg.0"
+    (seg / f"state.{token + 1}").write_bytes(good[: len(good) // 2])  # torn
+    with pytest.raises(RendezvousStateError, match=rf"seg.0/state.{token + 1}.*malformed"):
+        FileRendezvousBackend(tmp_path).get_state()
+    (seg / f"state.{token + 1}").write_bytes(b"garbage")
+    with pytest.raises(RendezvousStateError, match="bad magic"):
+        FileRendezvousBackend(tmp_path).get_state()
+    os.unlink(seg / f"state.{token + 1}")  # the documented fix: back to the previous one
+    blob, latest = FileRendezvousBackend(tmp_path).get_state()
+    assert _round(blob) == 7 and latest == token
 
 
 class _Evil:
@@ -165,19 +165,17 @@ class _Evil:
 
 
 def test_a_planted_pickle_is_refused_not_executed(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     b = _ours(tmp_path / "s")
     _, token, _ = b.set_state(_state(1), None)
-    (tmp_path / "s" / f"state.{token + 1}").write_bytes(
+    (tmp_path / "s" / "seg.0" / f"state.{token + 1}").write_bytes(
         encode_record(token + 1, pickle.dumps(_Evil()))
     )
-    with caplog.at_level(logging.WARNING):
-        blob, _ = FileRendezvousBackend(tmp_path / "s").get_state()
-    assert _round(blob) == 1
+    with pytest.raises(RendezvousStateError, match="not allowed"):
+        FileRendezvousBackend(tmp_path / "s").get_state()
     assert not (tmp_path / "pwned").exists()
-    assert "not allowed" in caplog.text
 
 
 def test_a_planted_symlink_is_not_followed(tmp_path: Path) -> None:
@@ -185,21 +183,25 @@ def test_a_planted_symlink_is_not_followed(tmp_path: Path) -> None:
     _, token, _ = b.set_state(_state(1), None)
     outside = tmp_path / "outside"
     outside.write_bytes(encode_record(token + 1, _state(666)))
-    os.symlink(outside, tmp_path / "s" / f"state.{token + 1}")
-    blob, latest = FileRendezvousBackend(tmp_path / "s").get_state()
-    assert _round(blob) == 1 and latest == token + 1
+    os.symlink(outside, tmp_path / "s" / "seg.0" / f"state.{token + 1}")
+    with pytest.raises(RendezvousStateError, match="malformed"):
+        FileRendezvousBackend(tmp_path / "s").get_state()
 
 
 def test_files_are_private_and_old_generations_are_collected(tmp_path: Path) -> None:
     b = _ours(tmp_path)
     _blob, token = None, None
-    for i in range(40):
+    for i in range(4 * SEGMENT + 3):
         _blob, token, ok = b.set_state(_state(i), token)
         assert ok
-    names = [n for n in os.listdir(tmp_path) if n.startswith("state.")]
-    assert len(names) <= 17, names
+    segs = sorted(n for n in os.listdir(tmp_path) if n.startswith("seg."))
+    assert segs == ["seg.3", "seg.4"], segs
+    names = [f"{s}/{n}" for s in segs for n in os.listdir(tmp_path / s)]
+    assert len(names) == SEGMENT + 4, names
     for name in [*names, "head"]:
         assert (os.stat(tmp_path / name).st_mode & 0o777) == 0o600
+    for name in segs:
+        assert (os.stat(tmp_path / name).st_mode & 0o777) == 0o700
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
 
 

@@ -1,0 +1,341 @@
+"""The rendezvous operation loop: torch's op executor, polling, join intents, last call.
+
+Split from :mod:`.handler`, which builds these per agent:
+
+* :class:`CounterStateHolder`: torch's state holder without its wall-clock sweep;
+* :class:`PollingOpExecutor`: torch's op loop with change-driven polling,
+  compare-and-set backoff, join intents (:mod:`.join_intents`) and the last call timed
+  on this node's monotonic clock;
+* :class:`ReformJoinOp`: torch's join plus prompt re-formation;
+* :class:`LeaveOp`: leave without closing the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+)
+
+from slurm_elastic.rendezvous.backend import FileRendezvousBackend
+from slurm_elastic.rendezvous.join_intents import (
+    JOIN_ACTIONS,
+    IntentBoard,
+    member_names,
+    merge_intents,
+)
+from slurm_elastic.rendezvous.torch_compat import (
+    RendezvousSettings,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _RendezvousContext,
+    _RendezvousJoinOp,
+    _RendezvousState,
+)
+
+__all__ = ["CounterStateHolder", "LeaveOp", "PollingOpExecutor", "ReformJoinOp"]
+
+log = logging.getLogger(__name__)
+
+_POLL_CAP_S = 0.25
+_SLOT_S = 0.005
+_PER_INTENT_S = 0.0005
+# What torch's join op sees as the last-call deadline once this node's own monotonic
+# measurement says it passed (or not): torch compares it with its wall clock.
+_PAST = datetime.min.replace(tzinfo=timezone.utc)
+_FUTURE = datetime.max.replace(tzinfo=timezone.utc)
+
+
+class CounterStateHolder(_BackendRendezvousStateHolder):
+    """Torch's state holder without its wall-clock dead-node sweep."""
+
+    def _sanitize(self) -> None:
+        self._dead_nodes = []
+
+    def invalidate(self) -> None:
+        """Make the next :meth:`sync` read the backend."""
+        self._last_sync_time = -1
+
+    @property
+    def token(self) -> Any:
+        """The generation of the state last read or written."""
+        return self._token
+
+
+class PollingOpExecutor(_DistributedRendezvousOpExecutor):
+    """Torch's op loop with change-driven polling and compare-and-set backoff."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        holder: CounterStateHolder,
+        settings: RendezvousSettings,
+        backend: FileRendezvousBackend,
+        poll_s: float,
+        reform_grace_s: float,
+        board: IntentBoard | None = None,
+        takeover_s: float = 5.0,
+    ) -> None:
+        super().__init__(node, holder, settings)
+        self._holder = holder
+        self._board = board
+        self._takeover_s = takeover_s
+        self._posted_at: float | None = None
+        self._backend = backend
+        self._poll_s = poll_s
+        self._reform_grace_s = reform_grace_s
+        self._last_call: tuple[Any, float] | None = None
+        self._elapsed_at_decision: float | None = None
+
+    def elapsed_at_decision(self) -> float | None:
+        """:meth:`last_call_elapsed` of the state of the decision being made."""
+        return self._elapsed_at_decision
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """See base class."""
+        action = None
+        losses = 0
+        while action != _Action.FINISH:
+            has_set = self._holder.sync()
+            if has_set is False:
+                # Binary exponential backoff: many nodes joining at once otherwise keep
+                # colliding (each loss costs a re-read and another write attempt).
+                losses += 1
+                time.sleep(random.uniform(0, _SLOT_S * (2 ** min(losses, 6))))
+                # Others wrote while we slept: decide on a fresh state, or the next
+                # compare-and-set is lost for certain.
+                self._holder.invalidate()
+                self._holder.sync()
+            self._state = self._holder.state
+            ctx = _RendezvousContext(self._node, self._decision_view(self._state), self._settings)
+            action = state_handler(ctx, deadline)
+            if self._board is not None:
+                if action in JOIN_ACTIONS:
+                    self._join_by_intent(deadline)
+                    continue
+                self.withdraw_intent()
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError(
+                    f"the rendezvous of run {self._settings.run_id!r} is closed (the run "
+                    "finished or failed); requeue the job or use a new run id to start again"
+                )
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(
+                    f"rendezvous of run {self._settings.run_id!r} timed out with "
+                    f"{len(self._state.participants)} of min {self._settings.min_nodes} nodes; "
+                    "raise join_timeout or check why the other nodes did not start"
+                )
+            if action == _Action.SYNC:
+                self._wait_for_change(deadline)
+                continue
+            if action in (
+                _Action.REMOVE_FROM_PARTICIPANTS,
+                _Action.REMOVE_FROM_WAIT_LIST,
+                _Action.REMOVE_FROM_REDUNDANCY_LIST,
+            ):
+                # An eviction by a watcher may have dropped our entry; torch's removal
+                # code indexes it unconditionally.
+                self._state.last_heartbeats.setdefault(self._node, datetime.now(timezone.utc))
+            self._apply(action)
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+                deadline = update_deadline(self._settings.timeout.join)
+            self._holder.mark_dirty()
+
+    def withdraw_intent(self) -> None:
+        """Remove this node's join intent if it posted one."""
+        if self._posted_at is not None and self._board is not None:
+            self._posted_at = None
+            self._board.withdraw(IntentBoard.name(self._node))
+
+    def _join_by_intent(self, deadline: float) -> None:
+        """Post this node's intent; merge all pending ones if this node is the merger."""
+        assert self._board is not None
+        board = self._board
+        me = IntentBoard.name(self._node)
+        if self._posted_at is None:
+            board.post(self._node)
+            self._posted_at = time.monotonic()
+            time.sleep(self._poll_s)  # let simultaneous arrivals post: one merge for all
+        # Decide on a fresh state: with a cached one, nodes merged a moment ago still
+        # look pending, and nobody would consider itself the merger.
+        self._holder.invalidate()
+        self._holder.sync()
+        self._state = self._holder.state
+        pending = board.pending(member_names(self._state))
+        # Takeover (the merger died): staggered by position, so one node goes first.
+        position = pending.index(me) if me in pending else len(pending)
+        waited = time.monotonic() - self._posted_at
+        takeover = waited > self._takeover_s + 0.02 * position
+        if not pending or (pending[0] != me and not takeover):
+            # A batch of m intents takes the merger about m x 0.5 ms to read and apply:
+            # first look after that (polls per node stay flat as batches grow).
+            # No periodic wake-up while pending: only a state change (a merge) or the
+            # takeover time matters, so N waiters cost nothing per second between
+            # merges.
+            self._wait_for_change(
+                deadline,
+                first=self._poll_s + len(pending) * _PER_INTENT_S,
+                horizon=max(
+                    1.0, self._posted_at + self._takeover_s + 0.02 * position - time.monotonic()
+                ),
+            )
+            return
+        # Gather: merge once the batch stops growing for a poll interval, or holds
+        # every node the round can still take (one write for a simultaneous start).
+        room = self._settings.max_nodes - len(self._state.participants)
+        while len(pending) < room and time.monotonic() < deadline:
+            time.sleep(self._poll_s)
+            grown = board.pending(member_names(self._state))
+            if len(grown) <= len(pending):
+                break
+            pending = grown
+        self._holder.invalidate()
+        self._holder.sync()
+        state = self._holder.state
+        if merge_intents(state, self._settings, board, board.pending(member_names(state))):
+            self._holder.mark_dirty()
+            if self._holder.sync() is False:
+                time.sleep(random.uniform(0, _SLOT_S * 4))
+                self._holder.invalidate()
+
+    def _record(self, message: str, node_state: Any = None) -> None:
+        # Torch's version builds an event with inspect.stack() (milliseconds of CPU per
+        # call, and per state change); our own events cover the lifecycle.
+        log.debug("%s", message)
+
+    def _apply(self, action: _Action) -> None:
+        handlers: dict[_Action, Callable[[], None]] = {
+            _Action.KEEP_ALIVE: self._keep_alive,
+            _Action.ADD_TO_PARTICIPANTS: self._add_to_participants,
+            _Action.ADD_TO_WAIT_LIST: self._add_to_wait_list,
+            _Action.ADD_TO_REDUNDANCY_LIST: self._add_to_redundancy_list,
+            _Action.REMOVE_FROM_PARTICIPANTS: self._remove_from_participants,
+            _Action.REMOVE_FROM_WAIT_LIST: self._remove_from_wait_list,
+            _Action.REMOVE_FROM_REDUNDANCY_LIST: self._remove_from_redundancy_list,
+            _Action.MARK_RENDEZVOUS_COMPLETE: self._mark_rendezvous_complete,
+            _Action.MARK_RENDEZVOUS_CLOSED: self._mark_rendezvous_closed,
+        }
+        handlers[action]()
+
+    def last_call_elapsed(self, state: _RendezvousState) -> float | None:
+        """Seconds since this node first saw the current last call (monotonic).
+
+        Torch writes the last-call deadline as the *writer's* wall-clock time and
+        compares it with the reader's. Here the deadline value only identifies a last
+        call: each node times it from its own first observation, on its own monotonic
+        clock, so neither clock skew between nodes nor a clock step matters (a node
+        that observes it later waits at most one poll interval longer).
+        """
+        if state.deadline is None or state.complete:
+            return None
+        key = (state.round, state.deadline)
+        if self._last_call is None or self._last_call[0] != key:
+            self._last_call = (key, time.monotonic())
+        return time.monotonic() - self._last_call[1]
+
+    def _decision_view(self, state: _RendezvousState) -> _RendezvousState:
+        """``state`` with its deadline replaced by this node's monotonic verdict."""
+        elapsed = self._elapsed_at_decision = self.last_call_elapsed(state)
+        if elapsed is None:
+            return state
+        view = copy.copy(state)  # shallow: torch's ops only read the context's state
+        due = elapsed >= self._settings.timeout.last_call.total_seconds()
+        view.deadline = _PAST if due else _FUTURE
+        return view
+
+    def _wait_for_change(
+        self, deadline: float, first: float | None = None, horizon: float = 1.0
+    ) -> None:
+        """Sleep until the state changes, 1 s passes, or a last-call deadline is due.
+
+        ``first``: the first poll delay (default ``poll_interval``), doubling up to
+        0.25 s (or ``first``, if larger) after that; ``horizon``: the longest sleep
+        without a change (default 1 s).
+        """
+        now = time.monotonic()
+        wake = min(now + horizon, deadline)
+        elapsed = self.last_call_elapsed(self._state)
+        if elapsed is not None:
+            due = self._settings.timeout.last_call.total_seconds() - elapsed
+            early = self._reform_grace_s - elapsed
+            for at in (due, early):
+                if at > 0:
+                    wake = min(wake, now + at + 0.005)
+        seen = self._holder.token
+        delay = first or self._poll_s
+        cap = max(_POLL_CAP_S, delay)
+        polls = 0
+        while True:
+            now = time.monotonic()
+            if now >= wake:
+                break
+            time.sleep(min(delay, wake - now))
+            delay = min(delay * 2, cap)
+            polls += 1
+            # One open of ``head`` per poll; every 4th poll also probes past it.
+            if self._backend.latest_generation(probe=polls % 4 == 0) != seen:
+                break
+        self._holder.invalidate()
+
+
+class ReformJoinOp(_RendezvousJoinOp):
+    """Torch's join, plus: a re-formation completes once nobody else is expected.
+
+    In a round after the first, every member of the previous round has already left it
+    (that is what started this round) and the nodes that will join are on the wait
+    list. Once the wait list is empty, ``min_nodes`` have joined and a short grace
+    (for nodes between two state writes) has passed, waiting the rest of the last
+    call only delays recovery: the round completes. A node that turns up later is a
+    late joiner as usual (it waits and the members restart).
+    """
+
+    def __init__(self, grace: timedelta, elapsed: Callable[[], float | None]) -> None:
+        self._grace = grace.total_seconds()
+        self._elapsed = elapsed
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+        if (
+            not state.closed
+            and not state.complete
+            and state.round > 0
+            and state.deadline is not None
+            and not state.wait_list
+            and ctx.node in state.participants
+            and len(state.participants) >= ctx.settings.min_nodes
+            and (self._elapsed() or 0.0) >= self._grace
+        ):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+        return super().__call__(ctx, deadline)
+
+
+class LeaveOp:
+    """Remove this node from participants, wait list and redundancy list."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if ctx.node in ctx.state.participants:
+            if time.monotonic() > deadline:
+                return _Action.ERROR_TIMEOUT
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        if ctx.node in ctx.state.wait_list:
+            return _Action.REMOVE_FROM_WAIT_LIST
+        if ctx.node in ctx.state.redundancy_list:
+            return _Action.REMOVE_FROM_REDUNDANCY_LIST
+        return _Action.FINISH
