@@ -116,7 +116,8 @@ class ElasticConfig:
             others torch's ``host:port``.
         checkpoint_dir: default ``state_dir/checkpoints/<run_id>``.
         events_dir: default ``state_dir/events/<run_id>``.
-        log_dir: where the agent writes worker logs (``None``: inherit stdout/stderr).
+        log_dir: where the agent writes per-rank worker logs (``None``: ``state_dir/logs/<run_id>``,
+            also copied to its output with a ``[rank<R>]:`` prefix, unless redirects/tee are set).
         local_addr: address other nodes reach this node at; default the Slurm node name.
         max_restarts: worker-group restarts an agent may spend on failures.
         join_timeout_s: how long a node waits for a rendezvous to form.
