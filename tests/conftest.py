@@ -171,5 +171,23 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 def slurm_netns_cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
     """The local cluster, when it runs in netns mode (skips otherwise)."""
     if slurm_cluster.mode != "netns":
-        pytest.skip(reason=f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r} mode")
+        pytest.skip(
+            reason=f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r} mode"
+        )
     return slurm_cluster
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_run_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Agents started by any test record their run index under a session temp directory.
+
+    The index normally lives in ``$XDG_STATE_HOME`` (``~/.local/state``); the suite must not
+    write into the real home directory. ``tests/cli`` gives each test its own index on top.
+    """
+    previous = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
+    yield
+    if previous is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = previous
