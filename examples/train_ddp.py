@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=60.0,
         help="a leave waits this long for the survivors' new round, then everyone saves",
     )
+    p.add_argument("--commit-every", type=int, default=1, help="in-memory commit period")
+    p.add_argument(
+        "--reform-timeout",
+        type=float,
+        default=120.0,
+        help="after a peer failure, wait this long for a new round, then restart",
+    )
     return p.parse_args(argv)
 
 
@@ -94,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset_size=args.dataset_size, global_batch_size=args.global_batch, seed=args.seed,
         checkpoint=CheckpointManager.from_env(args.checkpoint_dir, keep_last=3),
         save_every=args.save_every, leave_wait_s=args.leave_wait,
+        commit_every=args.commit_every, reform_timeout_s=args.reform_timeout,
     )  # fmt: skip
 
     def train_step(s: Step) -> None:

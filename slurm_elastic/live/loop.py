@@ -600,7 +600,7 @@ class ElasticLoop:
         )
         events.emit(
             "live.reformed",
-            kind="graceful",
+            cause="graceful",
             round=self._round,
             rank=self.rank,
             world_size=self.world_size,
@@ -651,7 +651,7 @@ class ElasticLoop:
         )
         events.emit(
             "live.reformed",
-            kind="failure",
+            cause="failure",
             round=self._round,
             rank=self.rank,
             world_size=self.world_size,
