@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic import envvars
+
 __all__ = [
     "CONTROL_DIR_ENV",
     "IN_PLACE_ENV",
@@ -41,9 +43,9 @@ __all__ = [
     "write_assignment",
 ]
 
-CONTROL_DIR_ENV = "SLURM_ELASTIC_CONTROL_DIR"
-ROUND_ENV = "SLURM_ELASTIC_ROUND"
-IN_PLACE_ENV = "SLURM_ELASTIC_IN_PLACE"
+CONTROL_DIR_ENV = envvars.CONTROL_DIR_ENV
+ROUND_ENV = envvars.ROUND_ENV
+IN_PLACE_ENV = envvars.IN_PLACE_ENV
 
 
 def in_place_enabled(environ: Mapping[str, str] | None = None) -> bool:
