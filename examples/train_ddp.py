@@ -121,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_time)
 
     loop.start()
-    if loop.rank == 0 and loop.resumed_from:
-        print(f"resumed at step {loop.step} from {loop.resumed_from}", flush=True)
+    if loop.rank == 0 and loop.resume_world_size is not None:
+        print(
+            f"resumed at step {loop.step} (epoch {loop.epoch}, offset {loop.sample_offset}); "
+            f"world {loop.resume_world_size} -> {loop.world_size}",
+            flush=True,
+        )
     events.emit("train.start", step=loop.step, world_size=loop.world_size, rank=loop.rank)
     outcome = loop.run(train_step, steps=args.steps)
     if outcome == "done" and loop.rank == 0 and args.out:

@@ -153,6 +153,7 @@ class ElasticLoop:
         leave_wait_s: how long a leave may wait for the survivors' new round before
             everyone saves a checkpoint and the restart path takes over.
         extra: small JSON-like values stored in every checkpoint.
+        save_each_epoch: also checkpoint after the last step of every epoch.
     """
 
     def __init__(
@@ -175,6 +176,7 @@ class ElasticLoop:
         reform_timeout_s: float = 120.0,
         leave_wait_s: float = 30.0,
         extra: dict[str, Any] | None = None,
+        save_each_epoch: bool = False,
     ) -> None:
         if commit_every < 1:
             raise ValueError(f"commit_every={commit_every} must be >= 1")
@@ -197,6 +199,11 @@ class ElasticLoop:
         self.reform_timeout_s = reform_timeout_s
         self.leave_wait_s = leave_wait_s
         self.extra = dict(extra or {})
+        self.save_each_epoch = save_each_epoch
+        #: the ``extra`` of the checkpoint resumed from (empty otherwise)
+        self.resume_extra: dict[str, Any] = {}
+        #: the world size the checkpoint resumed from was saved at (None: no checkpoint)
+        self.resume_world_size: int | None = None
         self.in_place = (
             control.in_place_enabled()
             and bool(os.environ.get(control.CONTROL_DIR_ENV))
@@ -309,6 +316,8 @@ class ElasticLoop:
         self.state.counters.update(step=info.step, epoch=info.epoch, offset=info.sample_offset)
         self._saved_step = info.step
         self.resumed_from = str(loaded.path)
+        self.resume_extra = dict(info.extra)
+        self.resume_world_size = info.saved_world_size
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -484,7 +493,8 @@ class ElasticLoop:
             return None
         if self.step % self.commit_every == 0:
             self._commit()
-        if self.save_every and self.step % self.save_every == 0:
+        epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step > 0
+        if epoch_done or (self.save_every and self.step % self.save_every == 0):
             self.save(blocking=False)
         return None
 
