@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         sched.step()
         if args.ledger:
             record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank, "world": s.world_size}
-            record.update(indices=s.indices, round=s.round, pid=os.getpid(), time=time.time())
+            record.update(indices=s.indices, round=s.round, attempt=f"round{s.round}")
+            record.update(pid=os.getpid(), time=time.time())
             with open(args.ledger, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if s.rank == 0 and (s.step + 1) % 10 == 0:

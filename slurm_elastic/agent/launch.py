@@ -187,8 +187,10 @@ class _Stop:
         notice.raise_notice(self.notice_file, reason=sig.name)
         if self.stopping:
             return  # e.g. Slurm's SIGTERM after the USR2 notice: already shutting down
+        # A notice, or Slurm's SIGTERM at preemption (KillWait follows): leave in place
+        # when the workers can, so the survivors re-form without waiting for them.
         if (
-            sig == self.notice_signal
+            sig in (self.notice_signal, signal.SIGTERM)
             and not self.leaving_in_place
             and self.leave_in_place is not None
             and self.leave_in_place()
@@ -197,7 +199,7 @@ class _Stop:
             # then stops through the ordinary path. A second signal escalates.
             self.leaving_in_place = True
             log.warning("received %s: leaving in place (workers exit at the switch)", sig.name)
-            events.emit("agent.signal", signal=sig.name, notice=True, in_place=True)
+            events.emit("agent.signal", signal=sig.name, notice=self.noticed, in_place=True)
             return
         self.stopping = True
         log.warning("received %s: stopping workers (they checkpoint first)", sig.name)
