@@ -86,21 +86,21 @@ class Assignment:
             ValueError: a field is missing or has the wrong type.
         """
         try:
-            values = {
-                "round": int(data["round"]),
-                "rank": int(data["rank"]),
-                "world_size": int(data["world_size"]),
-                "local_rank": int(data["local_rank"]),
-                "group_rank": int(data["group_rank"]),
-                "group_world_size": int(data["group_world_size"]),
-                "master_addr": str(data["master_addr"]),
-                "master_port": int(data["master_port"]),
-            }
+            result = cls(
+                round=int(data["round"]),
+                rank=int(data["rank"]),
+                world_size=int(data["world_size"]),
+                local_rank=int(data["local_rank"]),
+                group_rank=int(data["group_rank"]),
+                group_world_size=int(data["group_world_size"]),
+                master_addr=str(data["master_addr"]),
+                master_port=int(data["master_port"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed assignment {dict(data)!r}: {exc}") from exc
-        if not 0 <= values["rank"] < values["world_size"]:
-            raise ValueError(f"assignment rank {values['rank']} outside the world {values}")
-        return cls(**values)
+        if not 0 <= result.rank < result.world_size:
+            raise ValueError(f"assignment rank {result.rank} outside the world: {result}")
+        return result
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able form."""

@@ -134,5 +134,5 @@ class ElasticState:
         dist.broadcast_object_list(payload, src=src, group=group)
         received = payload[0]
         self._commit = received["state"]
-        self._commit_id = tuple(received["id"])  # type: ignore[assignment]
+        self._commit_id = (int(received["id"][0]), int(received["id"][1]))
         self.load(self._commit)
