@@ -15,7 +15,8 @@ Measured per run: ``stall_s``, the longest time without a completed step on the
 survivors between the event and their first step in the new world (join/leave: the
 survivors keep stepping while the round forms, so this is the switch itself);
 ``recovery_s``, event -> survivors' first step in the new world; ``lost``, step numbers
-run more than once (rolled back and redone).
+run more than once (rolled back and redone); ``normal_step_gap_s``, the median time
+between steps before the event (the stall includes one such step).
 
 Systems: ``inplace`` (our agent, ``slurm_elastic.live``), ``restart`` (our agent,
 ``SLURM_ELASTIC_IN_PLACE=0``: stop, restart, load the checkpoint; on a join it gives the
@@ -201,8 +202,11 @@ def run_one(system: str, event: str, n: int, limit: float) -> dict[str, Any]:
                 steps.setdefault(r["step"], set()).add((r.get("round"), r["world"], r["pid"]))
             redone = [s for s, v in steps.items() if len({(x[0], x[1]) for x in v}) > 1]
             lost = len([s for s in redone if s <= last_step + 5])
+            step_times = sorted({r["step"]: r["time"] for r in before}.values())[-30:]
+            gaps = sorted(b - a for a, b in itertools.pairwise(step_times))
             return {
                 "stall_s": round(stall, 3),
+                "normal_step_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
                 "recovery_s": round(t_new - t0, 3),
                 "lost": lost,
                 "survivors_kept_pids": bool(survivor_pids & {r["pid"] for r in new_world_steps()}),
