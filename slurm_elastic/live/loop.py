@@ -30,6 +30,10 @@ the last commit are redone. With no assignment within ``reform_timeout_s`` the e
 raised: the worker exits non-zero and the agent restarts the workers from the last
 checkpoint (the fallback).
 
+NCCL: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (abort the communicator, keep
+the process) so that a failed collective raises instead of ending the process, and every
+group gets ``timeout_s`` (not NCCL's 30 minutes). Not verified on a GPU here.
+
 Data order: :class:`~slurm_elastic.checkpoint.ElasticSampler` semantics (the global order
 of an epoch depends only on the seed and the epoch; the position is one global sample
 offset), fixed global batch: every sample is used exactly once per epoch across changes.
@@ -194,6 +198,12 @@ class ElasticLoop:
         self.save_every = save_every
         self.commit_every = commit_every
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if self.backend == "nccl":
+            # On a peer failure NCCL's watchdog aborts the communicator and the collective
+            # raises, without killing the process (1, torch's default, kills it): the
+            # survivors can then re-form. Unverified on hardware here: run
+            # bench/gpu_reform_check.py on a GPU machine.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.timeout = timedelta(seconds=timeout_s)
         self.reform_timeout_s = reform_timeout_s
