@@ -28,12 +28,6 @@ from tests.live.conftest import (
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
-def pids_of(tmp: Path, ranks_at_start: set[int]) -> dict[int, set[int]]:
-    """pid per rank of the first round (round 0), then the pids those processes had."""
-    first = [r for r in ledger(tmp) if r["round"] == min(x["round"] for x in ledger(tmp))]
-    return {r["rank"]: {r["pid"]} for r in first if r["rank"] in ranks_at_start}
-
-
 def events(tmp: Path, run_id: str) -> list[dict]:
     return list(read_events(tmp / "state" / "events" / run_id))
 
@@ -208,3 +202,23 @@ def test_join_on_the_restart_path_saves_first_and_loses_no_step(
     assert redone_steps(records) == 0  # saved at the notice: nothing redone
     assert_each_sample_once(records, steps)
     assert_close_to_reference(tmp_path, steps)
+
+
+def test_without_membership_change_in_place_equals_the_restart_path_bitwise(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    import torch
+
+    outs = []
+    for mode in ("1", "0"):
+        tmp = tmp_path / f"in_place_{mode}"
+        tmp.mkdir()
+        run = LiveRun(
+            tmp, f"bit{mode}", "1", "a", steps=60, step_time=0.0,
+            env={"SLURM_ELASTIC_IN_PLACE": mode},
+        )  # fmt: skip
+        nodes.append(run)
+        assert run.wait(180) == ExitCode.FINISHED, run.log()
+        outs.append(torch.load(tmp / "out.pt"))
+    assert outs[0].keys() == outs[1].keys()
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
