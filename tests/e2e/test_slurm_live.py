@@ -1,6 +1,6 @@
 """In place on the real local Slurm: an ``elastic_array`` whose task is preempted by a
-``high``-partition job leaves in place (the other tasks' workers keep their processes
-and lose no step), and the requeued task joins the running world in place again.
+``high``-partition job leaves in place (the other task's worker keeps its process and
+loses no step), and the requeued task joins the running world in place again.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def ledger(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def world_now(tmp: Path) -> int:
+def world_now(tmp: Path) -> int:  # the world of the newest ledger record
     records = ledger(tmp)
     return records[-1]["world"] if records else 0
 
@@ -44,34 +44,36 @@ def test_array_task_preempted_by_high_job_leaves_and_rejoins_in_place(
 ) -> None:
     client = slurm_cluster.client
     train_args = [
-        "--steps", "1200", "--dataset-size", str(DATASET), "--global-batch", "16",
+        "--steps", "2500", "--dataset-size", str(DATASET), "--global-batch", "16",
         "--save-every", "50", "--step-time", "0.1",
         "--out", str(tmp_path / "params.pt"), "--ledger", str(tmp_path / "ledger.jsonl"),
     ]  # fmt: skip
     values = job_values(
-        tmp_path, "elastic_array", train_args, nnodes="1:3", nproc_per_node=1,
+        tmp_path, "elastic_array", train_args, nnodes="1:2", nproc_per_node=1,
         cpus_per_task=2, partition="low",
     )  # fmt: skip
     job = client.submit(render("elastic_array", values))
     state = tmp_path / "state"
     try:
-        wait_for(lambda: world_now(tmp_path) == 3, 240, f"a world of 3\n{logs(tmp_path)}")
-        wait_for(lambda: len(ledger(tmp_path)) > 60, 60, "training at 3")
-        victim = client.job_info(f"{job}_2").node_list
+        # two tasks (the local cluster is shared: a third node is often busy)
+        wait_for(lambda: world_now(tmp_path) == 2, 300, f"a world of 2\n{logs(tmp_path)}")
+        wait_for(lambda: len(ledger(tmp_path)) > 60, 60, "training at 2")
+        victim = client.job_info(f"{job}_1").node_list
         t0 = time.time()
-        before = {r["pid"] for r in ledger(tmp_path) if r["time"] < t0 and r["world"] == 3}
+        before = {r["pid"] for r in ledger(tmp_path) if r["time"] < t0 and r["world"] == 2}
         client.submit(
             f"#!/bin/bash\n#SBATCH -p high -w {victim} --exclusive\n"
             f"#SBATCH -o {tmp_path}/logs/high.out\nsleep 5\n"
         )
-        wait_for(
-            lambda: any(e["group_world_size"] == 2 for e in rounds(state, job, t0)),
+        shrunk = wait_for(
+            lambda: [e for e in rounds(state, job, t0) if e["group_world_size"] == 1],
             120,
-            f"the survivors to re-form at 2 nodes\n{logs(tmp_path)}",
+            f"the survivor to re-form alone\n{logs(tmp_path)}",
         )
+        t1 = shrunk[0]["time"]
         wait_for(
-            lambda: any(r["world"] == 3 and r["time"] > t0 for r in ledger(tmp_path)),
-            300,
+            lambda: any(r["world"] == 2 and r["time"] > t1 for r in ledger(tmp_path)),
+            400,
             f"the requeued task to rejoin\n{logs(tmp_path)}",
         )
         infos = wait_for(
@@ -84,10 +86,11 @@ def test_array_task_preempted_by_high_job_leaves_and_rejoins_in_place(
         client.cancel(job)
 
     records = ledger(tmp_path)
-    at_two = {r["pid"] for r in records if r["world"] == 2 and r["time"] > t0}
+    alone = {r["pid"] for r in records if r["world"] == 1 and r["time"] > t0}
     last = {r["pid"] for r in records if r["step"] == max(x["step"] for x in records)}
-    # the two surviving tasks' workers trained through both changes in the same processes
-    assert len(at_two) == 2 and at_two <= before and at_two <= last, (before, at_two, last)
+    # task 0's worker trained through both changes in the same process
+    assert len(alone) == 1 and alone <= before and alone <= last, (before, alone, last)
+    assert len(last) == 2  # ...and finished in a world of 2 with the requeued task
     rounds_per_step: dict[int, set[int]] = {}
     for r in records:
         rounds_per_step.setdefault(r["step"], set()).add(r["round"])
