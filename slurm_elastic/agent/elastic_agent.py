@@ -46,6 +46,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from slurm_elastic import events, notice
 from slurm_elastic.agent.watchdog import ProgressWatch
@@ -56,7 +57,7 @@ __all__ = ["SlurmElasticAgent"]
 log = logging.getLogger(__name__)
 
 
-def _round_of(handler: Any) -> int:
+def _round_of(handler: RendezvousHandler) -> int:
     """The rendezvous round just joined, the same number on every node."""
     value = getattr(handler, "_round", None)  # ours: the round next_rendezvous returned
     if isinstance(value, int):
