@@ -122,16 +122,18 @@ def test_hard_loss_rolls_back_and_reforms_in_place(tmp_path: Path, nodes: list[L
 def test_spare_is_promoted_in_place_when_a_member_leaves(
     tmp_path: Path, nodes: list[LiveRun]
 ) -> None:
-    steps = 300
-    a = LiveRun(tmp_path, "spare1", "1:2", "a", steps=steps)
-    b = LiveRun(tmp_path, "spare1", "1:2", "b", steps=steps)
+    # slower steps: the survivor must not finish before the promoted spare's workers
+    # have started (they import torch while the survivor keeps training)
+    steps, pace = 600, 0.1
+    a = LiveRun(tmp_path, "spare1", "1:2", "a", steps=steps, step_time=pace)
+    b = LiveRun(tmp_path, "spare1", "1:2", "b", steps=steps, step_time=pace)
     nodes += [a, b]
     wait_for(
         lambda: len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4,
         120,
         "a world of 4 training",
     )
-    spare = LiveRun(tmp_path, "spare1", "1:2", "c", steps=steps)
+    spare = LiveRun(tmp_path, "spare1", "1:2", "c", steps=steps, step_time=pace)
     nodes.append(spare)
     wait_for(lambda: "spare" in spare.log() or spare.worker_pids() == set(), 30, "the spare")
     a_pids = a.worker_pids()
