@@ -5,17 +5,18 @@ Run it under the agent (one per node), e.g. on your machine::
     slurm-elastic agent --nnodes 1:2 --nproc-per-node 2 --rdzv-id demo \\
         examples/train_ddp.py --steps 200
 
-What it shows, in the order a real ``train.py`` needs it:
+What it shows: a plain DDP step function handed to ``slurm_elastic.live.ElasticLoop``,
+which owns everything elastic around it:
 
-1. resume from the newest *verified* checkpoint, whatever the world size was
-   (``CheckpointManager.load_latest`` + ``restore_training_state``);
-2. a data order that survives world-size changes (``ElasticSampler`` resumed at the
-   saved global sample offset) with the global batch fixed (``loss_scale``);
-3. progress reports for the agent's hang watchdog (``notice.report_progress``);
-4. the preemption notice: every step the ranks agree (one tiny all_reduce) whether any
-   node was told to stop; then all save one checkpoint together, the ranks of the
-   stopping node exit, and the others wait for the agent to start the next round;
-5. async checkpoints every ``--save-every`` steps (the loop only waits for the copy).
+1. membership changes **in place**: a node that joins, leaves with notice or dies does not
+   restart the other workers; they re-form the process group at a step boundary and a
+   newcomer gets the state from a survivor (``SLURM_ELASTIC_IN_PLACE=0``: the restart path);
+2. resume from the newest *verified* checkpoint when nobody has live state, whatever the
+   world size was;
+3. a data order that survives world-size changes (each sample once per epoch) with the
+   global batch fixed (``step.loss_scale``);
+4. progress reports for the agent's hang watchdog, the preemption notice (everyone saves
+   together when the whole job stops), async checkpoints every ``--save-every`` steps.
 
 It is deterministic: the same seed and the same world size give bitwise equal parameters,
 interrupted or not (``--out`` writes them at the end; ``--ledger`` logs every sample).
@@ -30,18 +31,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from slurm_elastic import events, notice
-from slurm_elastic.checkpoint import (
-    CheckpointManager,
-    ElasticSampler,
-    loss_scale,
-    restore_training_state,
-    training_state,
-)
+from slurm_elastic import notice
+from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.live import ElasticLoop, Step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--leave-wait",
         type=float,
         default=60.0,
-        help="after a peer's preemption save, wait this long for the new round",
+        help="a leave waits this long for the survivors' new round, then everyone saves",
+    )
+    p.add_argument("--commit-every", type=int, default=1, help="in-memory commit period")
+    p.add_argument(
+        "--reform-timeout",
+        type=float,
+        default=120.0,
+        help="after a peer failure, wait this long for a new round, then restart",
     )
     return p.parse_args(argv)
 
@@ -91,115 +92,48 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     notice.install_preemption_handler()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # one id per group of workers (each round gets a fresh store); only for the ledger
-    attempt = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-
     x, y = synthetic_data(args)
-    model = DistributedDataParallel(build_model(args))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    net = build_model(args)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)
-    ckpt = CheckpointManager.from_env(args.checkpoint_dir, keep_last=3)
+    loop = ElasticLoop(
+        net, opt, sched,
+        dataset_size=args.dataset_size, global_batch_size=args.global_batch, seed=args.seed,
+        checkpoint=CheckpointManager.from_env(args.checkpoint_dir, keep_last=3),
+        save_every=args.save_every, leave_wait_s=args.leave_wait,
+        commit_every=args.commit_every, reform_timeout_s=args.reform_timeout,
+    )  # fmt: skip
 
-    step, epoch, offset = 0, 0, 0
-    loaded = ckpt.load_latest()
-    if loaded is not None:
-        info = restore_training_state(loaded.state, model, opt, sched, source=loaded.path)
-        step, epoch, offset = info.step, info.epoch, info.sample_offset
-        del loaded
-        if rank == 0:
-            print(
-                f"resumed at step {step} (epoch {epoch}, offset {offset}); world "
-                f"{info.saved_world_size} -> {world}",
-                flush=True,
-            )
-    sampler = ElasticSampler(args.dataset_size, args.global_batch, seed=args.seed)
-    sampler.set_epoch(epoch, offset)
-    events.emit(events.TrainStart(step=step, world_size=world, rank=rank, total_steps=args.steps))
+    def train_step(s: Step) -> None:
+        loss = ((s.model(x[s.indices]) - y[s.indices]) ** 2).sum() * s.loss_scale
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if args.ledger:
+            record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank, "world": s.world_size}
+            record.update(indices=s.indices, round=s.round, attempt=f"round{s.round}")
+            record.update(pid=os.getpid(), time=time.time())
+            with open(args.ledger, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if s.rank == 0 and (s.step + 1) % 10 == 0:
+            print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}", flush=True)
+        if args.step_time:
+            time.sleep(args.step_time)
 
-    saved = [step]
-
-    def save(blocking: bool) -> None:
-        if saved[0] == step:
-            ckpt.flush()
-            return
-        state = training_state(
-            model,
-            opt,
-            sched,
-            step=step,
-            epoch=epoch,
-            sample_offset=offset,
-            global_batch_size=args.global_batch,
+    loop.start()
+    if loop.rank == 0 and loop.resume_world_size is not None:
+        print(
+            f"resumed at step {loop.step} (epoch {loop.epoch}, offset {loop.sample_offset}); "
+            f"world {loop.resume_world_size} -> {loop.world_size}",
+            flush=True,
         )
-        ckpt.save(state, step, blocking=blocking)
-        saved[0] = step
-
-    while step < args.steps:
-        for piece in sampler.slices():
-            xb, yb = x[piece.indices], y[piece.indices]
-            loss = ((model(xb) - yb) ** 2).sum() * loss_scale(piece.global_size, world)
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            opt.step()
-            sched.step()
-            step, offset = step + 1, piece.stop
-            if args.ledger:
-                with open(args.ledger, "a") as fh:
-                    fh.write(
-                        json.dumps(
-                            {
-                                "epoch": epoch,
-                                "step": step,
-                                "rank": rank,
-                                "world": world,
-                                "indices": piece.indices,
-                                "attempt": attempt,
-                                "time": time.time(),
-                            }
-                        )
-                        + "\n"
-                    )
-            notice.report_progress(step)
-            if rank == 0 and step % 10 == 0:
-                print(f"step {step} loss {loss.item():.5f} world {world}", flush=True)
-                events.emit(  # for slurm-elastic status/timeline: throughput, progress
-                    events.TrainProgress(
-                        step=step,
-                        rank=rank,
-                        total_steps=args.steps,
-                        samples=step * args.global_batch,
-                    )
-                )
-            if args.step_time:
-                time.sleep(args.step_time)
-
-            anyone_stopping, stopping_here = notice.preemption_agreed()
-            if anyone_stopping:
-                save(blocking=True)  # together, now: nothing finished is lost
-                # This node stops; or a peer's node does, and our agent will stop these
-                # workers for the next round (they resume from the checkpoint just saved).
-                if stopping_here or notice.await_new_round(args.leave_wait):
-                    events.emit(events.TrainPreempted(step=step, rank=rank))
-                    return 0
-            elif step % args.save_every == 0:
-                save(blocking=False)
-            if step >= args.steps:
-                break
-        else:
-            epoch, offset = epoch + 1, 0
-            sampler.set_epoch(epoch, 0)
-
-    save(blocking=True)
-    if rank == 0 and args.out:
-        params = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-        tmp = f"{args.out}.tmp"
-        torch.save(params, tmp)
-        os.replace(tmp, args.out)
-    events.emit(events.TrainDone(step=step, rank=rank))
-    dist.barrier()
-    dist.destroy_process_group()
+    outcome = loop.run(train_step, steps=args.steps)
+    if outcome == "done" and loop.rank == 0 and args.out:
+        params = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        torch.save(params, f"{args.out}.tmp")
+        os.replace(f"{args.out}.tmp", args.out)
+    loop.close()
     return 0
 
 

@@ -17,10 +17,10 @@ schedule, top-1/top-5 accuracy, a checkpoint every epoch, resume) and fixes its 
   global batch (``plan_batches`` + ``loss_scale``: the gradient is the mean over the same
   global batch at any world size). ``--local-batch N`` keeps the per-rank batch instead and
   scales the LR (``--lr-scaling linear|sqrt`` relative to ``--base-world-size``).
-* **Preemption**: the original only noticed a dying peer through a failing collective.
-  Here, as in ``examples/train_ddp.py``: every step the ranks agree (one tiny all_reduce)
-  whether any node got the notice (``slurm_elastic.notice``); then all save together, the
-  ranks of the stopping node exit, and the others wait for the agent's next round.
+* **Membership changes in place** (``slurm_elastic.live.ElasticLoop``, as in
+  ``examples/train_ddp.py``): a node that joins, leaves with notice or dies does not restart
+  the others; they re-form the process group at a step boundary and newcomers receive the
+  state from a survivor. The original restarted every worker and reloaded the checkpoint.
 * **Progress reports** for the agent's hang watchdog (``notice.report_progress``).
 * **Deterministic**: synthetic data from the seed (no download, no torchvision),
   GroupNorm instead of BatchNorm (batch statistics would depend on the per-rank share,
@@ -44,18 +44,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-from slurm_elastic import events, notice
-from slurm_elastic.checkpoint import (
-    CheckpointManager,
-    ElasticSampler,
-    loss_scale,
-    micro_batches,
-    plan_batches,
-    restore_training_state,
-    training_state,
-)
+from slurm_elastic import notice
+from slurm_elastic.checkpoint import CheckpointManager, micro_batches, plan_batches
+from slurm_elastic.live import ElasticLoop, Step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,141 +200,103 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.use_deterministic_algorithms(True)
     notice.install_preemption_handler()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
-    device = device or torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    if args.local_batch:  # per-rank batch kept: the global batch and the LR follow the world
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    world0 = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.local_batch:
+        # The per-rank batch is kept, so the global batch and the LR follow the world
+        # size: membership changes take the restart path (new plan, rescaled LR).
+        os.environ["SLURM_ELASTIC_IN_PLACE"] = "0"
         plan = plan_batches(
-            world,
-            local_batch_size=args.local_batch,
-            mode="fixed_local",
-            max_micro_batch=args.max_micro_batch,
-            lr_scaling=args.lr_scaling,
+            world0, local_batch_size=args.local_batch, mode="fixed_local",
+            max_micro_batch=args.max_micro_batch, lr_scaling=args.lr_scaling,
             base_world_size=args.base_world_size,
-        )
+        )  # fmt: skip
     else:  # default: the same global batch, so the same math, at any world size
         plan = plan_batches(
-            world, global_batch_size=args.global_batch, max_micro_batch=args.max_micro_batch
+            world0, global_batch_size=args.global_batch, max_micro_batch=args.max_micro_batch
         )
     train = SyntheticImages(args.dataset_size, args, split=0)
     val = SyntheticImages(args.val_size, args, split=1)
-    model = DistributedDataParallel(tiny_resnet(args).to(device))
+    net = tiny_resnet(args).to(device)
     opt = torch.optim.SGD(
-        model.parameters(),
-        lr=args.lr * plan.lr_factor,
-        momentum=args.momentum,
+        net.parameters(), lr=args.lr * plan.lr_factor, momentum=args.momentum,
         weight_decay=args.weight_decay,
-    )
+    )  # fmt: skip
     steps_per_epoch = -(-args.dataset_size // plan.global_batch_size)
     sched = torch.optim.lr_scheduler.StepLR(  # stepped every step: the period is in steps
         opt, step_size=max(1, args.lr_step_epochs * steps_per_epoch), gamma=args.lr_gamma
     )
-    ckpt = CheckpointManager.from_env(args.checkpoint_dir, keep_last=3)
+    loop = ElasticLoop(
+        net, opt, sched,
+        dataset_size=args.dataset_size, global_batch_size=plan.global_batch_size,
+        seed=args.seed, checkpoint=CheckpointManager.from_env(args.checkpoint_dir, keep_last=3),
+        save_every=args.save_every, save_each_epoch=True, leave_wait_s=args.leave_wait,
+        ddp_kwargs={"device_ids": [device.index]} if cuda else None,
+        extra={"lr_factor": plan.lr_factor},
+    )  # fmt: skip
 
-    step, epoch, offset = 0, 0, 0
-    loaded = ckpt.load_latest()
-    if loaded is not None:
-        info = restore_training_state(loaded.state, model, opt, sched, source=loaded.path)
-        step, epoch, offset = info.step, info.epoch, info.sample_offset
-        del loaded
+    def train_step(s: Step) -> None:
+        # the world may change between steps: plan the micro-batches for this one
+        accumulation = plan_batches(
+            s.world_size,
+            global_batch_size=plan.global_batch_size,
+            max_micro_batch=args.max_micro_batch,
+        ).accumulation_steps
+        opt.zero_grad(set_to_none=False)
+        loss_sum, hits = 0.0, [0, 0]
+        for chunk in micro_batches(s.indices, accumulation):
+            x, y = train.batch(list(chunk), device)
+            logits = s.model(x)
+            loss = F.cross_entropy(logits, y, reduction="sum")
+            (loss * s.loss_scale).backward()
+            loss_sum += loss.item()
+            top = correct_topk(logits.detach(), y, (1, 5))
+            hits = [hits[0] + top[0], hits[1] + top[1]]
+        opt.step()
+        sched.step()
+        if (s.step + 1) % args.print_freq == 0:
+            total, top1, top5 = sum_over_ranks([loss_sum, *hits], device)
+            if s.rank == 0:
+                n = s.global_size
+                print(
+                    f"epoch {s.epoch} step {s.step + 1} loss {total / n:.4f} top1 "
+                    f"{100 * top1 / n:.1f} top5 {100 * top5 / n:.1f} world {s.world_size}",
+                    flush=True,
+                )
+        if args.step_time:
+            time.sleep(args.step_time)
+
+    def end_of_epoch(epoch: int) -> None:  # validate, as the original did
+        top1, top5 = validate(loop.model, val, device, plan.max_micro_batch)
+        if loop.rank == 0:
+            print(f"epoch {epoch} done: val top1 {top1:.1f} top5 {top5:.1f}", flush=True)
+
+    loop.start()
+    if loop.resume_extra:
         # StepLR is chainable (it multiplies the current LR), so rescaling the LR for a
         # new world size keeps the schedule position.
         for group in opt.param_groups:
-            group["lr"] *= plan.lr_factor / float(info.extra.get("lr_factor", 1.0))
-        if rank == 0:
-            print(
-                f"resumed at step {step} (epoch {epoch}, offset {offset}); world "
-                f"{info.saved_world_size} -> {world}",
-                flush=True,
-            )
-    sampler = ElasticSampler(args.dataset_size, plan.global_batch_size, seed=args.seed)
-    sampler.set_epoch(epoch, offset)
-    events.emit("train.start", step=step, world_size=world, rank=rank)
-    saved = [step]
-
-    def save(blocking: bool) -> None:
-        if saved[0] == step:
-            ckpt.flush()
-            return
-        state = training_state(
-            model,
-            opt,
-            sched,
-            step=step,
-            epoch=epoch,
-            sample_offset=offset,
-            global_batch_size=plan.global_batch_size,
-            extra={"lr_factor": plan.lr_factor},
+            group["lr"] *= plan.lr_factor / float(loop.resume_extra.get("lr_factor", 1.0))
+    if loop.rank == 0 and loop.resume_world_size is not None:
+        print(
+            f"resumed at step {loop.step} (epoch {loop.epoch}, offset {loop.sample_offset}); "
+            f"world {loop.resume_world_size} -> {loop.world_size}",
+            flush=True,
         )
-        ckpt.save(state, step, blocking=blocking)
-        saved[0] = step
-
-    def done() -> bool:
-        return epoch >= args.epochs or (args.steps > 0 and step >= args.steps)
-
-    while not done():
-        for piece in sampler.slices():
-            opt.zero_grad(set_to_none=False)
-            scale = loss_scale(piece.global_size, world)
-            loss_sum, hits = 0.0, [0, 0]
-            for chunk in micro_batches(piece.indices, plan.accumulation_steps):
-                x, y = train.batch(list(chunk), device)
-                logits = model(x)
-                loss = F.cross_entropy(logits, y, reduction="sum")
-                (loss * scale).backward()
-                loss_sum += loss.item()
-                top = correct_topk(logits.detach(), y, (1, 5))
-                hits = [hits[0] + top[0], hits[1] + top[1]]
-            opt.step()
-            sched.step()
-            step, offset = step + 1, piece.stop
-            notice.report_progress(step)
-            if step % args.print_freq == 0:
-                total, top1, top5 = sum_over_ranks([loss_sum, *hits], device)
-                if rank == 0:
-                    n = piece.global_size
-                    print(
-                        f"epoch {epoch} step {step} loss {total / n:.4f} top1 "
-                        f"{100 * top1 / n:.1f} top5 {100 * top5 / n:.1f} world {world}",
-                        flush=True,
-                    )
-            if args.step_time:
-                time.sleep(args.step_time)
-
-            anyone_stopping, stopping_here = notice.preemption_agreed(device)
-            if anyone_stopping:
-                save(blocking=True)  # together, now: nothing finished is lost
-                # This node stops; or a peer's node does, and our agent will stop these
-                # workers for the next round (they resume from the checkpoint just saved).
-                if stopping_here or notice.await_new_round(args.leave_wait):
-                    events.emit("train.preempted", step=step, rank=rank)
-                    return 0
-            elif args.save_every and step % args.save_every == 0:
-                save(blocking=False)
-            if done():
-                break
-        else:  # the epoch is complete: validate and checkpoint, as the original did
-            top1, top5 = validate(model, val, device, plan.max_micro_batch)
-            if rank == 0:
-                print(f"epoch {epoch} done: val top1 {top1:.1f} top5 {top5:.1f}", flush=True)
-            epoch, offset = epoch + 1, 0
-            sampler.set_epoch(epoch, 0)
-            save(blocking=False)
-
-    save(blocking=True)
-    if rank == 0 and args.out:
-        params = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+    outcome = loop.run(
+        train_step,
+        epochs=args.epochs,
+        steps=args.steps or None,
+        on_epoch_end=end_of_epoch,
+    )
+    if outcome == "done" and loop.rank == 0 and args.out:
+        params = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
         torch.save(params, f"{args.out}.tmp")
         os.replace(f"{args.out}.tmp", args.out)
-    events.emit("train.done", step=step, rank=rank)
-    dist.barrier()
-    dist.destroy_process_group()
+    loop.close()
     return 0
 
 

@@ -25,13 +25,16 @@ __all__ = [
     "CHECKPOINT_DIR_ENV",
     "CLUSTER_PREFIX",
     "CONFIG_KEY_PATTERN",
+    "CONTROL_DIR_ENV",
     "EVENTS_DIR_ENV",
     "HEARTBEAT_FILE_ENV",
+    "IN_PLACE_ENV",
     "LOG_LEVEL_ENV",
     "NOTICE_FILE_ENV",
     "PREEMPT_SIGNAL_ENV",
     "PREFIX",
     "REQUEUE_COUNT_ENV",
+    "ROUND_ENV",
     "RUN_ID_ENV",
     "TEST_PREFIX",
     "VARIABLES",
@@ -54,6 +57,9 @@ NOTICE_FILE_ENV = f"{PREFIX}NOTICE_FILE"
 HEARTBEAT_FILE_ENV = f"{PREFIX}HEARTBEAT_FILE"
 PREEMPT_SIGNAL_ENV = f"{PREFIX}PREEMPT_SIGNAL"
 LOG_LEVEL_ENV = f"{PREFIX}LOG_LEVEL"
+CONTROL_DIR_ENV = f"{PREFIX}CONTROL_DIR"
+ROUND_ENV = f"{PREFIX}ROUND"
+IN_PLACE_ENV = f"{PREFIX}IN_PLACE"
 #: ``SLURM_ELASTIC_CLUSTER``, ``SLURM_ELASTIC_CLUSTER_DIR``, ``..._MODE``, ...
 CLUSTER_PREFIX = f"{PREFIX}CLUSTER"
 #: Reserved for test harnesses; never a config key.
@@ -137,6 +143,24 @@ VARIABLES: tuple[EnvVar, ...] = (
         "the node-local file where workers record progress (the hang watchdog)",
         "the agent, for its workers",
         "`notice.report_progress` in the workers; the agent's watchdog",
+    ),
+    EnvVar(
+        CONTROL_DIR_ENV,
+        "the node-local control channel: worker registrations and new-round assignments",
+        "the agent, for its workers",
+        "`slurm_elastic.live` in the workers; the agent",
+    ),
+    EnvVar(
+        ROUND_ENV,
+        "the rendezvous round the workers were started in",
+        "the agent, for its workers",
+        "`slurm_elastic.live` (tells a new assignment from a stale one)",
+    ),
+    EnvVar(
+        IN_PLACE_ENV,
+        "0: membership changes restart the workers instead of re-forming in place",
+        "you (agent and workers)",
+        "the agent; `slurm_elastic.live.ElasticLoop`",
     ),
     EnvVar(
         LOG_LEVEL_ENV,

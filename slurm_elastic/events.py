@@ -253,6 +253,7 @@ class AgentSignal(Event):
     kind: ClassVar[str] = "agent.signal"
     signal: str = ""
     notice: bool = False
+    in_place: bool = False
 
 
 @_register
@@ -423,6 +424,88 @@ class TrainDone(Event):
     """A worker finished training."""
 
     kind: ClassVar[str] = "train.done"
+    step: int = 0
+    rank: int = 0
+
+
+# -- in-place membership changes (slurm_elastic.live) -------------------------------------
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentLeaveInPlace(Event):
+    """The agent leaves the rendezvous while its workers train on until the switch."""
+
+    kind: ClassVar[str] = "agent.leave_in_place"
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentReformedInPlace(Event):
+    """The agent handed its live workers the assignment of a new round."""
+
+    kind: ClassVar[str] = "agent.reformed_in_place"
+    round: int = 0
+    group_rank: int = 0
+    group_world_size: int = 0
+    world_size: int = 0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class LiveStart(Event):
+    """A worker under ``ElasticLoop`` starts (or resumes) training."""
+
+    kind: ClassVar[str] = "live.start"
+    rank: int = 0
+    world_size: int = 0
+    step: int = 0
+    in_place: bool = False
+    resumed_from: str | None = None
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class LiveReformed(Event):
+    """A worker switched to a new world in place (``cause``: graceful or failure)."""
+
+    kind: ClassVar[str] = "live.reformed"
+    cause: str = ""
+    round: int = 0
+    rank: int = 0
+    world_size: int = 0
+    old_world_size: int | None = None
+    step: int = 0
+    redone_steps: int = 0
+    switch_s: float = 0.0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class LivePeerFailure(Event):
+    """A collective failed because a peer was lost; the worker rolls back to its commit."""
+
+    kind: ClassVar[str] = "live.peer_failure"
+    step: int = 0
+    error: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class LiveLeft(Event):
+    """A worker left the loop (``after``: why it stopped)."""
+
+    kind: ClassVar[str] = "live.left"
+    step: int = 0
+    after: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class LiveDone(Event):
+    """A worker under ``ElasticLoop`` finished training."""
+
+    kind: ClassVar[str] = "live.done"
     step: int = 0
     rank: int = 0
 

@@ -1,39 +1,70 @@
 """``SlurmElasticAgent``: torch's ``LocalElasticAgent`` with the reactions Slurm jobs need.
 
-Torch's monitor loop (``SimpleElasticAgent._invoke_run``) is kept, with four changes:
+Torch's monitor loop (``SimpleElasticAgent._invoke_run``, with its metrics) is used as
+is; this class plugs into its intended extension points:
 
-1. **Membership changes are not failures.** When workers fail because a peer node left
-   (preempted, evicted) the gloo/NCCL collectives of the survivors fail too; torch would
-   charge that to ``max_restarts``. Here a restart whose new round has a different world
-   size than the round that failed is refunded, so the budget counts real failures only.
-2. **Hung workers are failures.** With ``hang_timeout_s`` set, a worker group whose
-   progress reports (``slurm_elastic.notice.report_progress``) stop for that long after
-   the first one is restarted, instead of sitting in a collective for the 30-minute
-   default timeout.
-3. **A departing peer is not a failure either**: with no restarts left, a failed group
-   waits up to the eviction window for the rendezvous to report a membership change
-   before giving up.
-4. **Events**: rendezvous results, restarts and hangs are emitted as structured events.
+* ``_monitor_workers`` (torch: "override to return UNHEALTHY for a hang") adds
+  1. **the hang watchdog**: with ``hang_timeout_s`` set, a group whose progress reports
+     stop changing for that long (measured on this node's monotonic clock, see
+     :mod:`~slurm_elastic.agent.watchdog`) is reported failed;
+  2. **a departing peer is not a failure**: with no restarts left, a failed group
+     waits up to the eviction window for the rendezvous to report a membership change;
+     if one comes, the restart is not charged to ``max_restarts``;
+  3. **graceful leave in place**: after a preemption notice (:meth:`request_live_leave`)
+     the agent leaves the rendezvous while its workers keep training; they exit at the
+     switch of the survivors, then the agent stops through torch's signal path.
+* ``_restart_workers`` is wrapped:
+  1. **in place**: for a membership change (nothing failed locally) with workers that
+     registered on the control channel (:mod:`slurm_elastic.live.control`), the agent
+     runs the new rendezvous round *without stopping its workers* and hands each worker
+     its new rank, world size and the round's store address; the workers re-form their
+     process group at a step boundary (:mod:`slurm_elastic.live`). A round that cannot
+     form raises as torch's restart would; workers that cannot re-form exit non-zero
+     and torch's restart runs (the fallback).
+  2. **notice before a restart**: a membership restart of workers that cannot re-form
+     in place first gives them the preemption notice and waits for them to save and
+     exit (``shutdown_timeout_s``), so a scale-up loses no step;
+  3. **refund**: a charged restart after which the world size changed was caused by a
+     peer leaving: it is given back to the budget;
+  4. **events** for restarts, re-formations, hangs and the end.
 
-Everything else (rank assignment, worker start/stop, the exit barrier, signal forwarding)
-is torch's.
+Everything else (rank assignment, worker start/stop, the exit barrier, signal
+forwarding, metrics) is torch's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
-from slurm_elastic import events
+from slurm_elastic import events, notice
+from slurm_elastic.agent.watchdog import ProgressWatch
+from slurm_elastic.live import control
 
 __all__ = ["SlurmElasticAgent"]
 
 log = logging.getLogger(__name__)
+
+
+def _round_of(handler: RendezvousHandler) -> int:
+    """The rendezvous round just joined, the same number on every node."""
+    value = getattr(handler, "_round", None)  # ours: the round next_rendezvous returned
+    if isinstance(value, int):
+        return value
+    holder = getattr(handler, "_state_holder", None)  # torch's DynamicRendezvousHandler
+    state = getattr(holder, "state", None)
+    return int(getattr(state, "round", 0))
 
 
 class SlurmElasticAgent(LocalElasticAgent):
@@ -41,15 +72,17 @@ class SlurmElasticAgent(LocalElasticAgent):
 
     Args:
         membership_grace_s: with no restarts left, how long a failed group waits for the
-            rendezvous to report a membership change (a peer that left or was evicted)
-            before giving up; a failure caused by a departing peer is not this node's.
-        progress_age_s: returns the seconds since the workers last reported progress (or
-            since they started, if they never did); only consulted when ``hang_timeout_s``
-            is set.
-        hang_timeout_s: restart the group after this long without progress; ``None`` = off.
-        before_round: called before each rendezvous round and (re)start of the local
+            rendezvous to report a membership change before giving up.
+        progress: the watch over the workers' heartbeat file.
+        hang_timeout_s: fail the group after this long without progress; ``None`` = off.
+        before_round: called before each rendezvous round that (re)starts the local
             workers, once the previous ones are stopped (the launcher clears the
-            per-round notice and progress files there).
+            per-round notice, progress and control files there).
+        control_dir: the node's control channel directory.
+        notice_file: the workers' notice file (raised before a membership restart).
+        notice_signal: the signal the workers handle as a notice.
+        leave: called once to leave the rendezvous without closing it.
+        leave_timeout_s: how long leaving workers may take to exit after the notice.
         kwargs: passed to :class:`LocalElasticAgent`.
     """
 
@@ -57,19 +90,36 @@ class SlurmElasticAgent(LocalElasticAgent):
         self,
         *,
         membership_grace_s: float,
-        progress_age_s: Callable[[], float],
+        progress: ProgressWatch,
         hang_timeout_s: float | None,
         before_round: Callable[[WorkerGroup], None],
+        control_dir: Path,
+        notice_file: Path,
+        notice_signal: signal.Signals,
+        leave: Callable[[], None],
+        leave_timeout_s: float,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._membership_grace_s = membership_grace_s
-        self._progress_age_s = progress_age_s
+        self._progress = progress
         self._hang_timeout_s = hang_timeout_s
         self._before_round = before_round
+        self._control_dir = control_dir
+        self._notice_file = notice_file
+        self._notice_signal = notice_signal
+        self._leave = leave
+        self._leave_timeout_s = leave_timeout_s
+        self._charged = False
+        self._last_state = WorkerState.INIT
+        self._leaving_since: float | None = None
+        self._left = False
+
+    # -- worker start -------------------------------------------------------------------
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         self._before_round(worker_group)
+        self._progress.reset()
         super()._initialize_workers(worker_group)
         nodes = worker_group.group_world_size or 0
         world = nodes * worker_group.spec.local_world_size
@@ -98,75 +148,46 @@ class SlurmElasticAgent(LocalElasticAgent):
             if stdouts.get(w.local_rank)
         }
 
-    def _restart_after(self, reason: str, charge: bool) -> None:
-        group = self._worker_group
-        before = group.group_world_size
-        if charge:
-            self._remaining_restarts -= 1
-        events.emit(events.AgentRestart(reason=reason, remaining_restarts=self._remaining_restarts))
-        self._restart_workers(group)
-        if charge and group.group_world_size != before:
-            # The failure came with a membership change (a peer left or joined): the
-            # survivors' collectives fail through no fault of their own. Refund it.
-            self._remaining_restarts += 1
-            log.info(
-                "world changed %s -> %s nodes: restart not charged to max_restarts",
-                before,
-                group.group_world_size,
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # The round number lets workers tell a later assignment from a stale one.
+        os.environ[control.ROUND_ENV] = str(_round_of(worker_group.spec.rdzv_handler))
+        return super()._start_workers(worker_group)
+
+    # -- the monitor loop's extension point -------------------------------------------------
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        state = result.state
+        if self._leaving_since is not None:
+            return self._monitor_leaving(result)
+        if state == WorkerState.HEALTHY and self._is_hung():
+            age = self._progress.age_s()
+            log.warning(
+                "no training progress for %.1f s (hang_timeout_s=%s): restarting workers",
+                age,
+                self._hang_timeout_s,
             )
-
-    def _invoke_run(self, role: str = "default") -> RunResult:
-        spec = self._worker_group.spec
-        self._initialize_workers(self._worker_group)
-        while True:
-            time.sleep(spec.monitor_interval)
-            run_result = self._monitor_workers(self._worker_group)
-            state = run_result.state
-            if state == WorkerState.HEALTHY and self._is_hung():
-                log.warning(
-                    "no training progress for %.1f s (hang_timeout_s=%s): restarting workers",
-                    self._progress_age_s(),
-                    self._hang_timeout_s,
-                )
-                events.emit(events.AgentHang(progress_age_s=self._progress_age_s()))
-                state = WorkerState.UNHEALTHY
-            self._worker_group.state = state
-
-            if state == WorkerState.SUCCEEDED:
-                log.info("local workers finished; waiting for the other agents")
-                events.emit(events.WorkersSucceeded())
-                self._exit_barrier()
-                return run_result
-            if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
-                if self._remaining_restarts > 0:
-                    log.info(
-                        "worker group %s; %s/%s restarts left: restarting",
-                        state.name,
-                        self._remaining_restarts,
-                        spec.max_restarts,
-                    )
-                    self._restart_after(state.name.lower(), charge=True)
-                    continue
+            events.emit(events.AgentHang(progress_age_s=age))
+            # FAILED, not UNHEALTHY: torch reports an UNHEALTHY result as not failed.
+            result = RunResult(state=WorkerState.FAILED)
+            state = result.state
+        if state == WorkerState.FAILED:
+            self._charged = True
+            if self._remaining_restarts <= 0:
                 if self._membership_changes_within(self._membership_grace_s):
-                    log.info(
-                        "worker group %s while a peer left: new round (not charged)", state.name
-                    )
-                    self._restart_after("membership", charge=False)
-                    continue
-                self._stop_workers(self._worker_group)
-                self._worker_group.state = WorkerState.FAILED
-                events.emit(events.AgentGaveUp(max_restarts=spec.max_restarts))
-                if state == WorkerState.UNHEALTHY:
-                    # torch reports no failures for a hang; make it a failed result.
-                    run_result = RunResult(state=WorkerState.FAILED)
-                return run_result
-            if state == WorkerState.HEALTHY:
-                waiting = spec.rdzv_handler.num_nodes_waiting()
-                if waiting > 0:
-                    log.info("%s node(s) waiting or membership changed: new round", waiting)
-                    self._restart_after("membership", charge=False)
-            else:
-                raise RuntimeError(f"worker group in unexpected state {state.name}")
+                    log.info("worker group failed while a peer left: new round (not charged)")
+                    self._remaining_restarts += 1  # torch charges it right back
+                    self._charged = False
+                else:
+                    events.emit(events.AgentGaveUp(max_restarts=worker_group.spec.max_restarts))
+        elif state == WorkerState.SUCCEEDED:
+            log.info("local workers finished; waiting for the other agents")
+            events.emit(events.WorkersSucceeded())
+        self._last_state = state
+        return result
+
+    def _is_hung(self) -> bool:
+        return self._hang_timeout_s is not None and self._progress.age_s() > self._hang_timeout_s
 
     def _membership_changes_within(self, seconds: float) -> bool:
         handler = self._worker_group.spec.rdzv_handler
@@ -178,5 +199,126 @@ class SlurmElasticAgent(LocalElasticAgent):
                 return False
             time.sleep(min(0.2, seconds))
 
-    def _is_hung(self) -> bool:
-        return self._hang_timeout_s is not None and self._progress_age_s() > self._hang_timeout_s
+    # -- graceful leave in place -------------------------------------------------------------
+
+    def request_live_leave(self) -> bool:
+        """Start a graceful leave in place, if the workers can (call on a notice signal).
+
+        Returns:
+            True: the agent leaves the rendezvous at its next monitor tick while the
+            workers train on until the survivors switch; it then stops through torch's
+            signal path (``SignalException``). False: use the ordinary stop.
+        """
+        if self._leaving_since is not None:
+            return True
+        if self._last_state != WorkerState.HEALTHY or not self._workers_registered():
+            return False
+        self._leaving_since = time.monotonic()
+        events.emit(events.AgentLeaveInPlace())
+        return True
+
+    def _monitor_leaving(self, result: RunResult) -> RunResult:
+        if not self._left:
+            self._left = True
+            self._leave()
+            log.info("left the rendezvous; workers train on until the survivors switch")
+        waited = time.monotonic() - (self._leaving_since or 0.0)
+        if result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+            log.info("leaving workers exited (%s) after %.2f s", result.state.name, waited)
+            raise SignalException("leaving in place", sigval=self._notice_signal)
+        if waited > self._leave_timeout_s:
+            log.warning("leaving workers still running after %.1f s: stopping them", waited)
+            raise SignalException("leave timed out", sigval=self._notice_signal)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    # -- restarts ---------------------------------------------------------------------------
+
+    def _workers_registered(self) -> bool:
+        if not control.in_place_enabled():
+            return False
+        pids = {w.local_rank: w.id for w in self._worker_group.workers}
+        return bool(pids) and control.registered_workers(self._control_dir) == pids
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        charged, self._charged = self._charged, False
+        if self._leaving_since is not None:
+            return  # this node left: no new round for it
+        membership = not charged and self._last_state == WorkerState.HEALTHY
+        events.emit(
+            events.AgentRestart(
+                reason="membership" if not charged else "failure",
+                remaining_restarts=self._remaining_restarts,
+            )
+        )
+        if membership and self._workers_registered():
+            self._reform_in_place(worker_group)
+            return
+        if membership:
+            self._notice_before_restart(worker_group)
+        before = worker_group.group_world_size
+        super()._restart_workers(worker_group)
+        if charged and worker_group.group_world_size != before:
+            # The failure came with a membership change (a peer left or joined): the
+            # survivors' collectives fail through no fault of their own. Refund it.
+            self._remaining_restarts += 1
+            log.info(
+                "world changed %s -> %s nodes: restart not charged to max_restarts",
+                before,
+                worker_group.group_world_size,
+            )
+
+    def _reform_in_place(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
+        pids = {w.local_rank: w.id for w in worker_group.workers}
+        self._rendezvous(worker_group)  # the workers keep training meanwhile
+        for worker in worker_group.workers:
+            worker.id = pids[worker.local_rank]  # same processes, new ranks
+        round_ = _round_of(worker_group.spec.rdzv_handler)
+        for worker in worker_group.workers:
+            control.write_assignment(
+                self._control_dir,
+                control.Assignment(
+                    round=round_,
+                    rank=worker.global_rank,
+                    world_size=worker.world_size,
+                    local_rank=worker.local_rank,
+                    group_rank=worker_group.group_rank or 0,
+                    group_world_size=worker_group.group_world_size or 0,
+                    master_addr=str(worker_group.master_addr),
+                    master_port=int(worker_group.master_port or 0),
+                ),
+            )
+        worker_group.state = WorkerState.HEALTHY
+        world = (worker_group.group_world_size or 0) * worker_group.spec.local_world_size
+        log.info(
+            "new round %d formed in place in %.2f s: group_rank=%s world_size=%s",
+            round_,
+            time.monotonic() - started,
+            worker_group.group_rank,
+            world,
+        )
+        events.emit(
+            events.AgentReformedInPlace(
+                round=round_,
+                group_rank=worker_group.group_rank or 0,
+                group_world_size=worker_group.group_world_size or 0,
+                world_size=world,
+            )
+        )
+
+    def _notice_before_restart(self, worker_group: WorkerGroup) -> None:
+        """Give running workers the preemption notice and wait for them to save and exit."""
+        pcontext = self._pcontext
+        if pcontext is None:
+            return
+        notice.raise_notice(self._notice_file, reason="restart")
+        for pid in pcontext.pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, self._notice_signal)
+        deadline = time.monotonic() + self._leave_timeout_s
+        while time.monotonic() < deadline:
+            if pcontext.wait(0) is not None:
+                log.info("workers saved and exited before the membership restart")
+                return
+            time.sleep(0.05)
+        log.warning("workers did not exit within %.1f s of the notice", self._leave_timeout_s)

@@ -25,8 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -45,6 +44,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from slurm_elastic import envvars, events, notice
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
+from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import (
     ConfigError,
@@ -52,6 +52,7 @@ from slurm_elastic.errors import (
     SlurmElasticError,
     SlurmError,
 )
+from slurm_elastic.live import control
 from slurm_elastic.rendezvous.options import RendezvousOptions, check_keys
 from slurm_elastic.rendezvous.protocols import LeavableRendezvous
 from slurm_elastic.slurm.control import SlurmControl, default_control
@@ -70,6 +71,8 @@ WORKER_ENV = (
     envvars.NOTICE_FILE_ENV,
     envvars.HEARTBEAT_FILE_ENV,
     envvars.PREEMPT_SIGNAL_ENV,
+    control.CONTROL_DIR_ENV,
+    control.ROUND_ENV,
 )
 
 _TORCH_BACKENDS_INT_TIMEOUTS = ("c10d", "etcd-v2", "etcd", "static")
@@ -171,6 +174,9 @@ class _Stop:
         self.noticed = False  # preemption/time-limit notice seen
         self.stopping = False  # a SignalException is already on its way
         self.signals: list[str] = []
+        #: set once the agent exists: starts a graceful leave in place, if possible
+        self.leave_in_place: Callable[[], bool] | None = None
+        self.leaving_in_place = False
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
@@ -181,6 +187,20 @@ class _Stop:
         notice.raise_notice(self.notice_file, reason=sig.name)
         if self.stopping:
             return  # e.g. Slurm's SIGTERM after the USR2 notice: already shutting down
+        # A notice, or Slurm's SIGTERM at preemption (KillWait follows): leave in place
+        # when the workers can, so the survivors re-form without waiting for them.
+        if (
+            sig in (self.notice_signal, signal.SIGTERM)
+            and not self.leaving_in_place
+            and self.leave_in_place is not None
+            and self.leave_in_place()
+        ):
+            # The workers train on until the survivors switch, then exit; the agent
+            # then stops through the ordinary path. A second signal escalates.
+            self.leaving_in_place = True
+            log.warning("received %s: leaving in place (workers exit at the switch)", sig.name)
+            events.emit(events.AgentSignal(signal=sig.name, notice=self.noticed, in_place=True))
+            return
         self.stopping = True
         log.warning("received %s: stopping workers (they checkpoint first)", sig.name)
         events.emit(events.AgentSignal(signal=sig.name, notice=self.noticed))
@@ -229,6 +249,7 @@ def run_agent(
     node_dir = Path(tempfile.mkdtemp(prefix="slurm-elastic-node-"))
     notice_file = node_dir / "notice"
     heartbeat_file = node_dir / "progress"
+    control_dir = node_dir / "control"
     try:
         return _run(
             config,
@@ -242,13 +263,18 @@ def run_agent(
             client,
             notice_file,
             heartbeat_file,
+            control_dir,
         )
     finally:
         shutil.rmtree(node_dir, ignore_errors=True)
 
 
 def _worker_environment(
-    config: ElasticConfig, slurm: SlurmEnv, notice_file: Path, heartbeat_file: Path
+    config: ElasticConfig,
+    slurm: SlurmEnv,
+    notice_file: Path,
+    heartbeat_file: Path,
+    control_dir: Path,
 ) -> dict[str, str]:
     values: dict[str, object] = {
         envvars.RUN_ID_ENV: config.run_id,
@@ -258,6 +284,7 @@ def _worker_environment(
         envvars.NOTICE_FILE_ENV: notice_file,
         envvars.HEARTBEAT_FILE_ENV: heartbeat_file,
         envvars.PREEMPT_SIGNAL_ENV: config.preempt_signal,
+        control.CONTROL_DIR_ENV: control_dir,
         # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
     }
@@ -324,8 +351,9 @@ def _run(
     client: SlurmControl | None,
     notice_file: Path,
     heartbeat_file: Path,
+    control_dir: Path,
 ) -> int:
-    os.environ.update(_worker_environment(config, slurm, notice_file, heartbeat_file))
+    os.environ.update(_worker_environment(config, slurm, notice_file, heartbeat_file, control_dir))
     log.info("agent config: %s", config.as_dict())
     log_dir, redirects, tee = _worker_logs(config, redirects, tee)
     events.emit(
@@ -383,13 +411,7 @@ def _run(
         # and no progress report of the last attempt.
         notice.clear_notice(notice_file)
         notice.clear_notice(heartbeat_file)
-
-    def progress_age_s() -> float:
-        # The watchdog arms at the first progress report of a round: start-up (imports,
-        # data loading, process-group init) may legitimately take long, and a peer that
-        # never arrives is the rendezvous' business, not the watchdog's.
-        last = notice.last_progress(heartbeat_file)
-        return 0.0 if last is None else time.time() - last.time
+        control.clear(control_dir)
 
     agent = SlurmElasticAgent(
         spec=spec,
@@ -403,10 +425,19 @@ def _run(
         exit_barrier_timeout=max(60.0, config.close_timeout_s),
         shutdown_timeout=max(1, math.ceil(config.shutdown_timeout_s)),
         membership_grace_s=config.heartbeat_interval_s * (config.heartbeat_miss_limit + 1),
-        progress_age_s=progress_age_s,
+        # The watchdog arms at the first progress report of a round: start-up (imports,
+        # data loading, process-group init) may legitimately take long, and a peer that
+        # never arrives is the rendezvous' business, not the watchdog's.
+        progress=ProgressWatch(heartbeat_file),
         hang_timeout_s=config.hang_timeout_s,
         before_round=before_round,
+        control_dir=control_dir,
+        notice_file=notice_file,
+        notice_signal=stop.notice_signal,
+        leave=lambda: _leave(handler),
+        leave_timeout_s=config.shutdown_timeout_s,
     )
+    stop.leave_in_place = agent.request_live_leave
 
     code = ExitCode.FAILED
     try:

@@ -82,6 +82,22 @@ def test_hung_worker_group_is_restarted_by_the_watchdog(
     assert "agent.hang" in kinds
 
 
+def test_a_wall_clock_step_does_not_look_like_a_hang(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    # Issue 9 item 5: the watchdog compared the wall time in the heartbeat with the
+    # agent's wall clock, so a +100 s clock step restarted healthy workers (and with no
+    # restarts left failed the job). Ages are now monotonic durations on the node.
+    run = AgentRun(
+        tmp_path, tmp_path / "rdzv", "clock1", "1", "--hang-timeout", "3", steps=60,
+        behaviour="clockstep",
+    )  # fmt: skip
+    agents.append(run)
+    assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
+    kinds = [e["kind"] for e in read_events(tmp_path / "state" / "events" / "clock1")]
+    assert "agent.hang" not in kinds
+
+
 def test_worker_failure_spends_a_restart_and_resumes_from_the_checkpoint(
     tmp_path: Path, agents: list[AgentRun]
 ) -> None:

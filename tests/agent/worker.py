@@ -8,7 +8,9 @@ rank 0 writes atomically to OUT_DIR/step, so a restarted group resumes where it 
 Every event is one JSON line appended to OUT_DIR/records.jsonl.
 
 BEHAVIOUR: "" (plain), "hang" (rank 0 stops making progress at step 3 of the first
-attempt), "fail" (the last rank exits 3 at step 2 of the first attempt).
+attempt), "fail" (the last rank exits 3 at step 2 of the first attempt), "clockstep"
+(progress is reported with a wall time 100 s in the past, as if the node's clock had
+stepped forward by 100 s between the worker's report and the agent's reading).
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ def main() -> int:
         if int(t.item()) != world:
             record(out, event="bad_allreduce", value=t.item())
             return 5
-        notice.report_progress(step)
+        if behaviour == "clockstep":
+            path = os.environ[notice.HEARTBEAT_FILE_ENV]
+            with open(path, "w") as fh:
+                fh.write(f"{step:20d} {time.time() - 100:20.6f}\n")
+        else:
+            notice.report_progress(step)
         if behaviour == "hang" and restart == 0 and step == 3 and rank == 0:
             record(out, event="hanging", step=step)
             time.sleep(3600)

@@ -52,12 +52,10 @@ def agent_events(state: Path, run_id: str) -> list[dict[str, Any]]:
 
 
 def rounds(state: Path, run_id: str, since: float = 0.0) -> list[dict[str, Any]]:
-    """``agent.workers_started`` events (one per node per round) after ``since``."""
-    return [
-        e
-        for e in agent_events(state, run_id)
-        if e["kind"] == "agent.workers_started" and e["time"] >= since
-    ]
+    """Round events (one per node per round) after ``since``: workers (re)started, or
+    the round formed in place around running workers."""
+    kinds = ("agent.workers_started", "agent.reformed_in_place")
+    return [e for e in agent_events(state, run_id) if e["kind"] in kinds and e["time"] >= since]
 
 
 def effective_ledger(path: Path) -> dict[int, list[int]]:

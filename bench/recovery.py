@@ -1,0 +1,274 @@
+"""Recovery from membership changes: in place vs restart vs torchrun (c10d, defaults).
+
+Each run starts N "nodes" on this machine (one agent with one gloo worker each, running
+``examples/train_ddp.py`` with a ledger of every step), waits for steady training,
+triggers one event, and reads from the ledger when the survivors completed steps:
+
+* ``join``: one more node starts (N-1 -> N);
+* ``leave``: the last node gets the preemption notice (SIGUSR2; torchrun: SIGTERM);
+* ``hard_nonstore``: the last node's agent and worker are SIGKILLed;
+* ``hard_store``: the node hosting the store is SIGKILLed (ours: the round's rank 0,
+  which hosts the workers' store; torchrun: the agent hosting the c10d TCPStore);
+* ``crash``: one worker process of the last node is SIGKILLed (its agent lives).
+
+Measured per run: ``stall_s``, the longest time without a completed step on the
+survivors between the event and their first step in the new world (join/leave: the
+survivors keep stepping while the round forms, so this is the switch itself);
+``recovery_s``, event -> survivors' first step in the new world; ``lost``, step numbers
+run more than once (rolled back and redone); ``normal_step_gap_s``, the median time
+between steps before the event (the stall includes one such step).
+
+Systems: ``inplace`` (our agent, ``slurm_elastic.live``), ``restart`` (our agent,
+``SLURM_ELASTIC_IN_PLACE=0``: stop, restart, load the checkpoint; on a join it gives the
+notice first), ``torchrun`` (``torchrun --rdzv-backend c10d`` with its default timeouts,
+``--max-restarts 3`` so that it can recover at all). Our agents use a 0.5 s heartbeat with
+3 misses (eviction window ~1.5-2 s); torchrun's keep-alive is 5 s x 3.
+
+Cases and targets (issue 11): ``join``/``leave``: in place stalls <= 0.5 s and <= 0.1x
+our restart, 0 steps lost; ``hard_*``: in place recovers <= eviction window + 1 s and
+<= 0.35x torchrun; ``crash``: reported against torchrun. A baseline that never recovers
+within the limit is reported as ``null`` (ratio ``null``, ok judged on ours alone).
+
+``--quick``: N=2, events join/leave/hard_nonstore (< ~4 min here). Prints a table and one
+JSON line per case (bench, case, ours, baseline, ratio, target, ok, unit, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train_ddp.py"
+PY = sys.executable
+EVICTION_S = 0.5 * 3  # our heartbeat: interval x misses (detection adds up to one interval)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    """One agent (ours or torchrun) with one worker."""
+
+    def __init__(self, system: str, tmp: Path, name: str, nnodes: str, port: int) -> None:
+        self.name = name
+        train = [
+            str(TRAIN), "--steps", "100000", "--step-time", "0.02", "--save-every", "25",
+            "--dataset-size", "4096", "--global-batch", "32",
+            "--ledger", str(tmp / "ledger.jsonl"), "--checkpoint-dir", str(tmp / "ckpt"),
+            "--reform-timeout", "30",
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        for key in [k for k in env if k.startswith("SLURM")]:
+            env.pop(key)
+        if system == "torchrun":
+            argv = [
+                PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "bench", "--max-restarts", "3", *train,
+            ]  # fmt: skip
+        else:
+            if system == "restart":
+                env["SLURM_ELASTIC_IN_PLACE"] = "0"
+            argv = [
+                PY, "-m", "slurm_elastic.cli.main", "agent", "--nnodes", nnodes,
+                "--nproc-per-node", "1", "--rdzv-backend", "slurm",
+                "--rdzv-endpoint", str(tmp / "rdzv"), "--rdzv-id", "bench",
+                "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+                "--state-dir", str(tmp / "state"), "--max-restarts", "3",
+                "--rdzv-conf",
+                "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1",
+                "--shutdown-timeout", "20", *train,
+            ]  # fmt: skip
+        self.log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def workers(self) -> list[int]:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def kill(self) -> None:
+        pids = self.workers()
+        for pid in [self.proc.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            pids = self.workers()
+            with_timeout = time.monotonic() + 15
+            self.proc.send_signal(signal.SIGTERM)
+            while self.proc.poll() is None and time.monotonic() < with_timeout:
+                time.sleep(0.1)
+            for pid in [self.proc.pid, *pids]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+def ledger(tmp: Path) -> list[dict[str, Any]]:
+    path = tmp / "ledger.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def wait(pred: Any, limit: float) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def run_one(system: str, event: str, n: int, limit: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"recovery-{system}-{event}-") as d:
+        tmp = Path(d)
+        port = _free_port()
+        nnodes = f"1:{n}"
+        first = n - 1 if event == "join" else n
+        nodes = [Node(system, tmp, f"n{i}", nnodes, port) for i in range(first)]
+        try:
+            steady = wait(
+                lambda: (
+                    len({r["pid"] for r in ledger(tmp) if r["world"] == first}) >= first
+                    and len([r for r in ledger(tmp) if r["world"] == first]) > 40 * first
+                ),
+                limit,
+            )
+            if not steady:
+                return {"error": f"no steady world of {first} within {limit:.0f} s"}
+            before = ledger(tmp)
+            last_step = max(r["step"] for r in before)
+            victim = nodes[0] if event == "hard_store" else nodes[-1]
+            survivors = [x for x in nodes if x is not victim] if event != "join" else nodes
+            survivor_pids = {p for x in survivors for p in x.workers()}
+            t0 = time.time()
+            if event == "join":
+                nodes.append(Node(system, tmp, f"n{first}", nnodes, port))
+                new_world = n
+            elif event == "leave":
+                victim.proc.send_signal(signal.SIGTERM if system == "torchrun" else signal.SIGUSR2)
+                new_world = n - 1
+            elif event.startswith("hard"):
+                victim.kill()
+                new_world = n - 1
+            else:  # crash: one worker dies, its agent restarts it
+                os.kill(victim.workers()[0], signal.SIGKILL)
+                new_world = n
+            old_rounds = {r["round"] for r in before} if system != "torchrun" else set()
+
+            def new_world_steps() -> list[dict[str, Any]]:
+                recs = [r for r in ledger(tmp) if r["time"] > t0 and r["world"] == new_world]
+                if event == "crash" and system != "torchrun":
+                    recs = [r for r in recs if r["round"] not in old_rounds]
+                elif event == "crash":
+                    recs = [r for r in recs if r["pid"] not in survivor_pids]
+                return recs
+
+            if not wait(lambda: len(new_world_steps()) >= 3 * new_world, limit):
+                return {"error": f"no step in the new world within {limit:.0f} s"}
+            recs = ledger(tmp)
+            t_new = min(r["time"] for r in new_world_steps())
+            times = sorted(r["time"] for r in recs if t0 - 1 <= r["time"] <= t_new)
+            times = [t0, *[t for t in times if t >= t0], t_new]
+            stall = max(b - a for a, b in itertools.pairwise(times))
+            steps: dict[int, set[Any]] = {}
+            for r in recs:
+                steps.setdefault(r["step"], set()).add((r.get("round"), r["world"], r["pid"]))
+            redone = [s for s, v in steps.items() if len({(x[0], x[1]) for x in v}) > 1]
+            lost = len([s for s in redone if s <= last_step + 5])
+            step_times = sorted({r["step"]: r["time"] for r in before}.values())[-30:]
+            gaps = sorted(b - a for a, b in itertools.pairwise(step_times))
+            return {
+                "stall_s": round(stall, 3),
+                "normal_step_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
+                "recovery_s": round(t_new - t0, 3),
+                "lost": lost,
+                "survivors_kept_pids": bool(survivor_pids & {r["pid"] for r in new_world_steps()}),
+            }
+        finally:
+            for x in nodes:
+                x.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="N=2, join/leave/hard_nonstore")
+    ap.add_argument("--nodes", type=int, default=None, help="N (default 4; 2 with --quick)")
+    ap.add_argument("--limit", type=float, default=150.0, help="seconds per phase")
+    args = ap.parse_args(argv)
+    n = args.nodes or (2 if args.quick else 4)
+    events = ["join", "leave", "hard_nonstore"]
+    if not args.quick:
+        events += ["hard_store", "crash"]
+    plan = {
+        "join": ("inplace", "restart"),
+        "leave": ("inplace", "restart"),
+        "hard_nonstore": ("inplace", "torchrun"),
+        "hard_store": ("inplace", "torchrun"),
+        "crash": ("inplace", "torchrun"),
+    }
+    rows = []
+    for event in events:
+        ours_sys, base_sys = plan[event]
+        ours = run_one(ours_sys, event, n, args.limit)
+        base = run_one(base_sys, event, n, args.limit)
+        graceful = event in ("join", "leave")
+        metric = "stall_s" if graceful else "recovery_s"
+        o, b = ours.get(metric), base.get(metric)
+        ratio = None if o is None or b is None or b == 0 else round(o / b, 3)
+        if graceful:
+            target = "ours <= 0.5 s and ratio <= 0.1 and lost == 0"
+            ok = o is not None and o <= 0.5 and ours.get("lost") == 0
+            ok = ok and (ratio is None or ratio <= 0.1)
+        elif event.startswith("hard"):
+            target = f"ours <= {EVICTION_S + 1 + 0.5:.1f} s (window + 1 s) and ratio <= 0.35"
+            ok = o is not None and o <= EVICTION_S + 0.5 + 1
+            ok = ok and (ratio is None or ratio <= 0.35)
+        else:
+            target = "ratio <= 1 (reported)"
+            ok = o is not None and (ratio is None or ratio <= 1)
+        rec = {
+            "bench": "recovery", "case": f"{event}_{ours_sys}_vs_{base_sys}", "ours": o,
+            "baseline": b, "ratio": ratio, "target": target, "ok": bool(ok), "unit": "s",
+            "metric": metric, "nodes": n, "ours_detail": ours, "baseline_detail": base,
+        }  # fmt: skip
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    print(f"\n{'case':40} {'metric':11} {'ours':>8} {'baseline':>9} {'ratio':>7} {'lost':>5} ok")
+    for r in rows:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(
+            f"{r['case']:40} {r['metric']:11} {fmt(r['ours']):>8} {fmt(r['baseline']):>9} "
+            f"{fmt(r['ratio']):>7} {r['ours_detail'].get('lost', '-')!s:>5} {r['ok']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

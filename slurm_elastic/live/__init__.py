@@ -1,0 +1,41 @@
+"""Membership changes without restarting workers: in-memory state, re-formed in place.
+
+Concept: when a node joins, leaves with notice, a spare is promoted, or a peer dies,
+the workers that stay keep their processes. The agent runs the new rendezvous round
+while they train and hands each worker its new rank, world size and the round's store
+through the node's control channel (:mod:`~slurm_elastic.live.control`); at a step
+boundary the workers agree, tear down the process group and build the new one, and
+newcomers receive the committed state by broadcast from a survivor.
+
+Contract:
+
+* :class:`ElasticLoop` runs the whole protocol around the user's step function (a
+  script stays within a few lines of plain DDP; ``examples/train_ddp.py``);
+* :class:`ElasticState` is the state API underneath (``commit`` / ``restore`` / ``sync``);
+* without the agent's control channel, or with ``SLURM_ELASTIC_IN_PLACE=0``, the loop
+  takes the restart path (save on notice, the agent restarts the workers).
+
+``slurm_elastic.live.control`` is torch-free; the rest imports torch (lazily here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slurm_elastic.live.loop import ElasticLoop, ReformTimeoutError, Step, is_peer_failure
+    from slurm_elastic.live.state import ElasticState
+
+__all__ = ["ElasticLoop", "ElasticState", "ReformTimeoutError", "Step", "is_peer_failure"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ElasticLoop", "ReformTimeoutError", "Step", "is_peer_failure"):
+        from slurm_elastic.live import loop
+
+        return getattr(loop, name)
+    if name == "ElasticState":
+        from slurm_elastic.live.state import ElasticState
+
+        return ElasticState
+    raise AttributeError(f"module 'slurm_elastic.live' has no attribute {name!r}")

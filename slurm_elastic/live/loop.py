@@ -1,0 +1,721 @@
+"""``ElasticLoop``: a DDP training loop that survives membership changes in place.
+
+The user gives the model, optimizer, scheduler and data size once, and a function that
+runs one step on the rank's share of the global batch (:class:`Step`). The loop owns the
+process group, the DDP wrapper, the sampler position, the in-memory commits, the
+periodic checkpoints and the protocol below.
+
+**At every step boundary** the ranks agree with one ``all_reduce`` (MAX over five
+integers): does any rank's node leave, does any rank stay, which new round (if any) every
+staying rank has received *and* found ready (all its ranks announced in the round's
+store), and has a leave waited too long. Then, the same decision on every rank:
+
+* nothing pending: commit (every ``commit_every`` steps), maybe checkpoint, go on;
+* every staying rank holds the same ready round: **switch** (graceful join, leave, spare
+  promotion): leaving ranks return, the others commit, tear the group down in the safe
+  order (keep the old group, drop the DDP wrapper, destroy, drop the group), init the
+  new group on the round's store under a prefix never used before, take the newest
+  commit from a survivor by broadcast (newcomers: no disk read), and wrap the model in
+  a new DDP. Newcomers start training only after the switch; survivors keep stepping
+  while the newcomer starts and while the round forms;
+* every rank leaves (the whole job is preempted): save a checkpoint together, return;
+* restart path (``$SLURM_ELASTIC_IN_PLACE=0``, or no agent control channel): as before,
+  a notice makes all ranks save together, the leaving ranks return, the others wait for
+  the agent to restart them.
+
+**A failed collective** (a peer was SIGKILLed or its node is gone; gloo raises) makes the
+survivors roll back to their last commit, wait for the agent's next assignment (it comes
+once the rendezvous evicted the dead node) and re-form the same way; only the steps since
+the last commit are redone. With no assignment within ``reform_timeout_s`` the error is
+raised: the worker exits non-zero and the agent restarts the workers from the last
+checkpoint (the fallback).
+
+NCCL: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (abort the communicator, keep
+the process) so that a failed collective raises instead of ending the process, and every
+group gets ``timeout_s`` (not NCCL's 30 minutes). Not verified on a GPU here.
+
+Data order: :class:`~slurm_elastic.checkpoint.ElasticSampler` semantics (the global order
+of an epoch depends only on the seed and the epoch; the position is one global sample
+offset), fixed global batch: every sample is used exactly once per epoch across changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from slurm_elastic import events, notice
+from slurm_elastic.checkpoint import (
+    CheckpointManager,
+    ElasticSampler,
+    loss_scale,
+    restore_training_state,
+    training_state,
+)
+from slurm_elastic.checkpoint.sampler import rank_share
+from slurm_elastic.live import control
+from slurm_elastic.live.state import ElasticState
+
+__all__ = ["ElasticLoop", "ReformTimeoutError", "Step", "is_peer_failure"]
+
+log = logging.getLogger(__name__)
+
+_BIG = 1 << 62
+# Rank 0 reports progress (a train.progress event) every this many steps.
+_PROGRESS_EVERY = 10
+_FAILURE_WORDS = (
+    "Connection reset",
+    "Connection closed",
+    "Connection refused",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "Gloo",
+    "gloo",
+    "NCCL",
+    "connectFullMesh",
+    "ProcessGroup",
+    "Socket",
+)
+
+
+class ReformTimeoutError(RuntimeError):
+    """No new round arrived in time after a peer failed: fall back to a restart."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a failed collective (a peer gone), not a bug."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _FAILURE_WORDS)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as seen by one rank.
+
+    Attributes:
+        model: the DDP-wrapped model of the current world (do not keep a reference:
+            it is replaced at every re-formation).
+        indices: this rank's dataset indices (possibly empty at an epoch tail).
+        global_size: samples in the step's global batch.
+        loss_scale: multiply a *summed* loss by this so DDP's averaged gradient is the
+            mean over the global batch.
+        step: steps done before this one.
+        epoch: the epoch.
+        rank: this rank in the current world.
+        world_size: ranks in the current world.
+        round: the rendezvous round of the current world.
+    """
+
+    model: nn.Module
+    indices: list[int]
+    global_size: int
+    loss_scale: float
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    round: int
+
+
+@dataclass
+class _Pending:
+    assignment: control.Assignment
+    store: Any
+
+
+class ElasticLoop:
+    """A training loop whose workers survive joins, leaves and peer failures in place.
+
+    Args:
+        model: the bare model (already on ``device``).
+        optimizer: its optimizer.
+        scheduler: an LR scheduler stepped by the user's step function, if any.
+        dataset_size: samples per epoch.
+        global_batch_size: samples per step over all ranks (fixed at any world size).
+        seed: the sample order of epoch ``e`` depends only on ``(seed, e)``.
+        shuffle: shuffle each epoch.
+        drop_last: skip the short last global batch of each epoch.
+        checkpoint: where periodic and final checkpoints go (and the first start
+            resumes from); ``None``: none.
+        save_every: also checkpoint every N steps (0: only at the end and on leave).
+        commit_every: commit to host memory every N steps (1: a hard loss redoes at most
+            the step that failed).
+        backend: process group backend (default: ``nccl`` with CUDA, else ``gloo``).
+        ddp_kwargs: passed to :class:`DistributedDataParallel` (e.g. ``device_ids``).
+        timeout_s: collective timeout of every process group.
+        reform_timeout_s: after a failed collective, how long to wait for a new round.
+        leave_wait_s: how long a leave may wait for the survivors' new round before
+            everyone saves a checkpoint and the restart path takes over.
+        extra: small JSON-like values stored in every checkpoint.
+        save_each_epoch: also checkpoint after the last step of every epoch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        *,
+        dataset_size: int,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        checkpoint: CheckpointManager | None = None,
+        save_every: int = 0,
+        commit_every: int = 1,
+        backend: str | None = None,
+        ddp_kwargs: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        reform_timeout_s: float = 120.0,
+        leave_wait_s: float = 30.0,
+        extra: dict[str, Any] | None = None,
+        save_each_epoch: bool = False,
+    ) -> None:
+        if commit_every < 1:
+            raise ValueError(f"commit_every={commit_every} must be >= 1")
+        self.state = ElasticState(model, optimizer, scheduler, step=0, epoch=0, offset=0)
+        self.sampler = ElasticSampler(
+            dataset_size,
+            global_batch_size,
+            rank=0,
+            world_size=1,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
+        self.checkpoint = checkpoint
+        self.save_every = save_every
+        self.commit_every = commit_every
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if self.backend == "nccl":
+            # On a peer failure NCCL's watchdog aborts the communicator and the collective
+            # raises, without killing the process (1, torch's default, kills it): the
+            # survivors can then re-form. Unverified on hardware here: run
+            # bench/gpu_reform_check.py on a GPU machine.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.timeout = timedelta(seconds=timeout_s)
+        self.reform_timeout_s = reform_timeout_s
+        self.leave_wait_s = leave_wait_s
+        self.extra = dict(extra or {})
+        self.save_each_epoch = save_each_epoch
+        #: the ``extra`` of the checkpoint resumed from (empty otherwise)
+        self.resume_extra: dict[str, Any] = {}
+        #: the world size the checkpoint resumed from was saved at (None: no checkpoint)
+        self.resume_world_size: int | None = None
+        self.in_place = (
+            control.in_place_enabled()
+            and bool(os.environ.get(control.CONTROL_DIR_ENV))
+            and control.Assignment.from_environ() is not None
+        )
+        self._ddp: DistributedDataParallel | None = None
+        self._round = int(os.environ.get(control.ROUND_ENV, "0"))
+        self._watch: control.AssignmentWatch | None = None
+        self._pending: _Pending | None = None
+        self._failed_rounds: set[int] = set()
+        self._order: tuple[int, list[int]] | None = None
+        self._leave_seen_at: float | None = None
+        self._saved_step = -1
+        self._dirty = False
+        self._total_steps: int | None = None
+        self._started = False
+        self.resumed_from: str | None = None
+
+    # -- public view ---------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The current DDP wrapper (replaced at every re-formation)."""
+        if self._ddp is None:
+            raise RuntimeError("ElasticLoop.start() first")
+        return self._ddp
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return int(self.state.counters["step"])
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return int(self.state.counters["epoch"])
+
+    @property
+    def sample_offset(self) -> int:
+        """Global samples consumed in the current epoch."""
+        return int(self.state.counters["offset"])
+
+    @property
+    def rank(self) -> int:
+        """This rank in the current world."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current world."""
+        return dist.get_world_size()
+
+    @property
+    def round(self) -> int:
+        """The rendezvous round of the current world."""
+        return self._round
+
+    # -- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join the process group, take the state (from a live peer, else the newest
+        checkpoint, else the initial one) and wrap the model; idempotent."""
+        if self._started:
+            return
+        self._started = True
+        if self.in_place:
+            first = control.Assignment.from_environ()
+            assert first is not None  # checked in __init__
+            directory = os.environ[control.CONTROL_DIR_ENV]
+            self._watch = control.AssignmentWatch(directory, first.local_rank, first.round)
+            self._join(first, self._connect(first))
+            from_peer = self._sync_state()
+        else:
+            dist.init_process_group(self.backend, timeout=self.timeout)
+            from_peer = False
+        if from_peer:
+            self.resumed_from = "peer"
+        else:
+            self._resume_from_checkpoint()
+            self.state.commit((self._round, self.step))
+        self._wrap()
+        if self.in_place:
+            control.register_worker(
+                os.environ[control.CONTROL_DIR_ENV], self._watch_rank(), os.getpid()
+            )
+        events.emit(
+            events.LiveStart(
+                rank=self.rank,
+                world_size=self.world_size,
+                step=self.step,
+                in_place=self.in_place,
+                resumed_from=self.resumed_from,
+            )
+        )
+
+    def _watch_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def _resume_from_checkpoint(self) -> None:
+        if self.checkpoint is None:
+            return
+        loaded = self.checkpoint.load_latest()
+        if loaded is None:
+            return
+        info = restore_training_state(
+            loaded.state,
+            self.state.model,
+            self.state.optimizer,
+            self.state.scheduler,
+            source=loaded.path,
+        )
+        self.state.counters.update(step=info.step, epoch=info.epoch, offset=info.sample_offset)
+        self._saved_step = info.step
+        self.resumed_from = str(loaded.path)
+        self.resume_extra = dict(info.extra)
+        self.resume_world_size = info.saved_world_size
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        train_step: Callable[[Step], Any],
+        *,
+        steps: int | None = None,
+        epochs: int | None = None,
+        on_epoch_end: Callable[[int], Any] | None = None,
+    ) -> str:
+        """Train until ``steps`` steps or ``epochs`` epochs are done, or this node leaves.
+
+        Args:
+            train_step: runs one step (forward, backward, optimizer and scheduler step)
+                on ``step.model`` with ``step.indices``.
+            steps: stop after this many steps in total.
+            epochs: stop after this many epochs.
+            on_epoch_end: called (on every rank) after the last step of each epoch,
+                e.g. to validate; may use collectives.
+
+        Returns:
+            ``"done"`` (a final checkpoint is saved) or ``"left"`` (this node was told
+            to stop; its state lives on in the survivors or in the checkpoint).
+
+        Raises:
+            ReformTimeoutError: a peer failed and no new round came in time.
+        """
+        if steps is None and epochs is None:
+            raise ValueError("ElasticLoop.run needs steps=... or epochs=...")
+        self.start()
+        self._total_steps = steps
+        # For slurm-elastic status / timeline / submit --wait: progress and throughput.
+        events.emit(
+            events.TrainStart(
+                step=self.step, world_size=self.world_size, rank=self.rank, total_steps=steps
+            )
+        )
+        while not self._done(steps, epochs):
+            failure: str | None = None
+            outcome: str | None = None
+            try:
+                outcome = self._one_step(train_step, on_epoch_end)
+            except Exception as exc:
+                if not is_peer_failure(exc):
+                    raise
+                failure = f"{type(exc).__name__}: {exc}"
+            # Outside the except block: its traceback would keep the broken group alive.
+            if failure is not None:
+                if self._leaving_here():
+                    events.emit(events.LiveLeft(step=self.step, after="failure"))
+                    events.emit(events.TrainPreempted(step=self.step, rank=self.rank))
+                    return "left"
+                self._recover(failure)
+                continue
+            if outcome == "left":
+                events.emit(events.TrainPreempted(step=self.step, rank=self.rank))
+                return "left"
+        self.save(blocking=True)
+        events.emit(events.LiveDone(step=self.step, rank=self.rank))
+        events.emit(events.TrainDone(step=self.step, rank=self.rank))
+        return "done"
+
+    def close(self) -> None:
+        """Flush checkpoints and leave the process group."""
+        if self.checkpoint is not None:
+            self.checkpoint.flush()
+        self._teardown()
+
+    def _done(self, steps: int | None, epochs: int | None) -> bool:
+        return (steps is not None and self.step >= steps) or (
+            epochs is not None and self.epoch >= epochs
+        )
+
+    def _slice(self) -> tuple[list[int], int, int]:
+        epoch, start = self.epoch, self.sample_offset
+        if self._order is None or self._order[0] != epoch:
+            self.sampler.set_epoch(epoch, 0)
+            self._order = (epoch, self.sampler.global_order(epoch))
+        stop = min(start + self.sampler.global_batch_size, self.sampler.epoch_length)
+        lo, hi = rank_share(start, stop, self.rank, self.world_size)
+        return self._order[1][lo:hi], start, stop
+
+    def _one_step(
+        self, train_step: Callable[[Step], Any], on_epoch_end: Callable[[int], Any] | None
+    ) -> str | None:
+        indices, start, stop = self._slice()
+        world = self.world_size
+        self._dirty = True
+        train_step(
+            Step(
+                model=self.model,
+                indices=indices,
+                global_size=stop - start,
+                loss_scale=loss_scale(stop - start, world),
+                step=self.step,
+                epoch=self.epoch,
+                rank=self.rank,
+                world_size=world,
+                round=self._round,
+            )
+        )
+        counters = self.state.counters
+        counters["step"] += 1
+        counters["offset"] = stop
+        if stop >= self.sampler.epoch_length:
+            if on_epoch_end is not None:
+                on_epoch_end(self.epoch)
+            counters["epoch"] += 1
+            counters["offset"] = 0
+        notice.report_progress(self.step)
+        if self.rank == 0 and self.step % _PROGRESS_EVERY == 0:
+            events.emit(
+                events.TrainProgress(
+                    step=self.step,
+                    rank=self.rank,
+                    total_steps=self._total_steps,
+                    samples=self.epoch * self.sampler.epoch_length + self.sample_offset,
+                )
+            )
+        return self._boundary()
+
+    # -- the agreement ------------------------------------------------------------------------
+
+    def _leaving_here(self) -> bool:
+        return notice.preemption_requested()
+
+    def _ready_round(self) -> int:
+        """``round + 1`` of a pending assignment whose ranks are all ready, else 0."""
+        if self._watch is None:
+            return 0
+        latest = self._watch.poll()
+        fresh = latest is not None and latest.round not in self._failed_rounds
+        if fresh and (self._pending is None or self._pending.assignment != latest):
+            assert latest is not None
+            try:
+                self._pending = _Pending(latest, self._connect(latest))
+            except Exception as exc:  # a superseded round's store is gone
+                log.info("round %d store unreachable (%s); waiting", latest.round, exc)
+                self._failed_rounds.add(latest.round)
+                self._pending = None
+        pending = self._pending
+        if pending is None:
+            return 0
+        keys = [f"ready/{r}" for r in range(pending.assignment.world_size)]
+        return pending.assignment.round + 1 if pending.store.check(keys) else 0
+
+    def _boundary(self) -> str | None:
+        leaving = self._leaving_here()
+        if self.in_place:
+            ready = 0 if leaving else self._ready_round()
+            give_up = (
+                self._leave_seen_at is not None
+                and time.monotonic() - self._leave_seen_at > self.leave_wait_s
+            )
+        else:
+            ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
+        flags = torch.tensor(
+            [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
+            dtype=torch.int64,
+            device=self._device(),
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
+        ready_min = -neg_min
+        if any_leave and self._leave_seen_at is None:
+            self._leave_seen_at = time.monotonic()
+        if any_leave and not any_stay:
+            self.save(blocking=True)  # the whole job stops: nothing finished is lost
+            events.emit(events.LiveLeft(step=self.step, after="everyone_leaves"))
+            return "left"
+        if ready_max > 0 and ready_min == ready_max:
+            if leaving:
+                events.emit(events.LiveLeft(step=self.step, after="switch"))
+                return "left"
+            self._switch()
+            return None
+        if gave_up:
+            self.save(blocking=True)  # together, now: nothing finished is lost
+            if leaving:
+                events.emit(events.LiveLeft(step=self.step, after="save"))
+                return "left"
+            if not self.in_place:
+                # our agent stops these workers for the next round; if it does not,
+                # the next collective fails and the worker exits for a restart
+                if notice.await_new_round(self.leave_wait_s):
+                    events.emit(events.LiveLeft(step=self.step, after="restart"))
+                    return "left"
+                return None
+            self._commit()
+            self._recover("a peer left and no new round formed")
+            return None
+        if self.step % self.commit_every == 0:
+            self._commit()
+        epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step > 0
+        if epoch_done or (self.save_every and self.step % self.save_every == 0):
+            self.save(blocking=False)
+        return None
+
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _commit(self) -> None:
+        self.state.commit((self._round, self.step))
+        self._dirty = False
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, blocking: bool) -> None:
+        """Collective: checkpoint the current state (skipped if this step is saved)."""
+        if self.checkpoint is None:
+            return
+        if self._saved_step == self.step:
+            if blocking:
+                self.checkpoint.flush()
+            return
+        bundle = training_state(
+            self.model,
+            self.state.optimizer,
+            self.state.scheduler,
+            step=self.step,
+            epoch=self.epoch,
+            sample_offset=self.sample_offset,
+            global_batch_size=self.sampler.global_batch_size,
+            extra=self.extra or None,
+        )
+        self.checkpoint.save(bundle, self.step, blocking=blocking)
+        self._saved_step = self.step
+
+    # -- re-formation ----------------------------------------------------------------------------
+
+    def _connect(self, a: control.Assignment) -> Any:
+        client = dist.TCPStore(
+            a.master_addr,
+            a.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=min(10.0, self.timeout.total_seconds())),
+            use_libuv=True,
+        )
+        client.set_timeout(self.timeout)
+        store = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
+        store.set(f"ready/{a.rank}", "1")
+        return store
+
+    def _join(self, a: control.Assignment, store: Any) -> None:
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore("pg", store),
+            rank=a.rank,
+            world_size=a.world_size,
+            timeout=self.timeout,
+        )
+        self._round = a.round
+        if self._watch is not None:
+            self._watch.current_round = a.round
+        self._pending = None
+        self._leave_seen_at = None
+
+    def _teardown(self) -> None:
+        # The safe order (a gloo group freed from DDP's reducer can deadlock): hold the
+        # group, drop the wrapper, destroy, then drop the group.
+        group = dist.group.WORLD if dist.is_initialized() else None
+        self._ddp = None
+        if group is not None:
+            dist.destroy_process_group()
+        del group
+
+    def _wrap(self) -> None:
+        self._ddp = DistributedDataParallel(self.state.model, **self.ddp_kwargs)
+
+    def _sync_state(self) -> bool:
+        """Collective: all ranks take the newest commit; False if nobody has one."""
+        mine = self.state.commit_id if self.state.committed else (-1, -1)
+        local = torch.tensor([mine[1], mine[0]], dtype=torch.int64, device=self._device())
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        ids = [(int(t[0]), int(t[1])) for t in gathered]  # (step, round)
+        best = max(ids)
+        if best[0] < 0:
+            return False
+        if all(i == best for i in ids):
+            if self._dirty:
+                self.state.restore()
+        else:
+            self.state.sync(ids.index(best))
+        self._dirty = False
+        return True
+
+    def _switch(self) -> None:
+        pending = self._pending
+        assert pending is not None
+        started = time.monotonic()
+        self._commit()
+        old_world = self.world_size
+        self._teardown()
+        self._join(pending.assignment, pending.store)
+        self._sync_state()
+        self._wrap()
+        took = time.monotonic() - started
+        log.info(
+            "re-formed in place: round %d, rank %d of %d (was %d) in %.3f s",
+            self._round,
+            self.rank,
+            self.world_size,
+            old_world,
+            took,
+        )
+        events.emit(
+            events.LiveReformed(
+                cause="graceful",
+                round=self._round,
+                rank=self.rank,
+                world_size=self.world_size,
+                old_world_size=old_world,
+                step=self.step,
+                switch_s=took,
+            )
+        )
+
+    def _recover(self, reason: str) -> None:
+        """After a failed collective: roll back, wait for the next round, re-form."""
+        started = time.monotonic()
+        deadline = started + self.reform_timeout_s
+        failed_step = self.step
+        log.warning("collective failed at step %d (%s): re-forming in place", failed_step, reason)
+        events.emit(events.LivePeerFailure(step=failed_step, error=reason[:500]))
+        self._teardown()
+        self.state.restore()
+        self._dirty = False
+        if self._pending is not None:
+            self._failed_rounds.discard(self._pending.assignment.round)
+        self._pending = None
+        while True:
+            latest = self._await_assignment(deadline, reason)
+            failure = None
+            try:
+                self._join(latest, self._connect(latest))
+                self._sync_state()
+                self._wrap()
+            except Exception as exc:
+                if not is_peer_failure(exc):
+                    raise
+                failure = f"{type(exc).__name__}: {exc}"
+            if failure is None:
+                break
+            log.warning("re-forming round %d failed (%s); waiting again", latest.round, failure)
+            self._failed_rounds.add(latest.round)
+            self._teardown()
+            self.state.restore()
+        took = time.monotonic() - started
+        log.info(
+            "re-formed after a failure: round %d, rank %d of %d, step %d (redo %d) in %.2f s",
+            self._round,
+            self.rank,
+            self.world_size,
+            self.step,
+            failed_step - self.step,
+            took,
+        )
+        events.emit(
+            events.LiveReformed(
+                cause="failure",
+                round=self._round,
+                rank=self.rank,
+                world_size=self.world_size,
+                step=self.step,
+                redone_steps=failed_step - self.step,
+                switch_s=took,
+            )
+        )
+
+    def _await_assignment(self, deadline: float, reason: str) -> control.Assignment:
+        if self._watch is None:
+            raise ReformTimeoutError(f"collective failed ({reason}) and the restart path is on")
+        while True:
+            latest = self._watch.poll()
+            if latest is not None and latest.round not in self._failed_rounds:
+                return latest
+            if time.monotonic() > deadline:
+                raise ReformTimeoutError(
+                    f"collective failed ({reason}) and no new round came within "
+                    f"{self.reform_timeout_s:.0f} s: falling back to a restart"
+                )
+            notice.report_progress(self.step)  # rewritten every 0.5 s: alive, not hung
+            time.sleep(0.02)

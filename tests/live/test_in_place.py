@@ -1,0 +1,226 @@
+"""Membership changes in place, on real agents (no Slurm): join, graceful leave, hard
+loss, spare promotion, and the fallback to the restart path.
+
+Each test asserts that the workers that should survive keep their PIDs, that no step is
+lost (or only the rolled-back ones are redone, after a hard loss), that the ledger shows
+every sample once per epoch, and that the final parameters match the uninterrupted math.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic.agent import ExitCode
+from slurm_elastic.events import read_events
+from tests.helpers import wait_for
+from tests.live.conftest import (
+    LiveRun,
+    assert_close_to_reference,
+    assert_each_sample_once,
+    ledger,
+    redone_steps,
+    steps_done,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def events(tmp: Path, run_id: str) -> list[dict]:
+    return list(read_events(tmp / "state" / "events" / run_id))
+
+
+def test_join_in_place_keeps_workers_and_loses_no_step(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    steps = 300
+    a = LiveRun(tmp_path, "join1", "1:2", "a", steps=steps)
+    nodes.append(a)
+    wait_for(lambda: steps_done(tmp_path) >= 15, 90, "node a to train alone")
+    a_pids = {r["pid"] for r in ledger(tmp_path)}
+    assert len(a_pids) == 2
+    b = LiveRun(tmp_path, "join1", "1:2", "b", steps=steps)
+    nodes.append(b)
+    assert a.wait(180) == ExitCode.FINISHED, a.log()
+    assert b.wait(60) == ExitCode.FINISHED, b.log()
+
+    records = ledger(tmp_path)
+    assert {r["world"] for r in records} == {2, 4}
+    # node a's workers trained through the change: the same two processes from step 1
+    # to the end, and they ran the last step in the world of 4
+    last = [r for r in records if r["step"] == steps]
+    assert {r["pid"] for r in last} >= a_pids and {r["world"] for r in last} == {4}
+    assert {r["pid"] for r in records if r["step"] == 1} == a_pids
+    assert redone_steps(records) == 0  # a join loses no step
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+    kinds = [e["kind"] for e in events(tmp_path, "join1")]
+    assert "agent.reformed_in_place" in kinds and "live.reformed" in kinds
+    newcomers = [e for e in events(tmp_path, "join1") if e["kind"] == "live.start"]
+    assert {e["resumed_from"] for e in newcomers if e["world_size"] == 4} == {"peer"}
+
+
+def test_graceful_leave_in_place_keeps_survivors(tmp_path: Path, nodes: list[LiveRun]) -> None:
+    steps = 300
+    a = LiveRun(tmp_path, "leave1", "1:2", "a", steps=steps)
+    b = LiveRun(tmp_path, "leave1", "1:2", "b", steps=steps)
+    nodes += [a, b]
+    wait_for(
+        lambda: (
+            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
+            and steps_done(tmp_path) >= 20
+        ),
+        120,
+        "a world of 4 training",
+    )
+    b_pids = b.worker_pids()
+    a_pids = a.worker_pids()
+    b.signal(signal.SIGUSR2)
+    assert b.wait(90) == ExitCode.PREEMPTED, b.log()
+    assert a.wait(120) == ExitCode.FINISHED, a.log()
+
+    records = ledger(tmp_path)
+    world2 = [r for r in records if r["world"] == 2 and r["step"] > 20]
+    assert world2 and {r["pid"] for r in world2} == a_pids  # survivors kept their processes
+    assert not {r["pid"] for r in world2} & b_pids
+    assert redone_steps(records) == 0  # a leave with notice loses no step
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+    assert "agent.leave_in_place" in [e["kind"] for e in events(tmp_path, "leave1")]
+
+
+def test_hard_loss_rolls_back_and_reforms_in_place(tmp_path: Path, nodes: list[LiveRun]) -> None:
+    steps = 300
+    a = LiveRun(tmp_path, "hard1", "1:2", "a", steps=steps)
+    b = LiveRun(tmp_path, "hard1", "1:2", "b", steps=steps)
+    nodes += [a, b]
+    wait_for(
+        lambda: (
+            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
+            and steps_done(tmp_path) >= 20
+        ),
+        120,
+        "a world of 4 training",
+    )
+    a_pids = a.worker_pids()
+    killed_at = steps_done(tmp_path)
+    b.kill_node()
+    assert a.wait(150) == ExitCode.FINISHED, a.log()
+
+    records = ledger(tmp_path)
+    after = [r for r in records if r["step"] > killed_at + 2]
+    assert after and {r["pid"] for r in after} == a_pids and {r["world"] for r in after} == {2}
+    assert redone_steps(records) <= 2  # commit every step: at most the failed step again
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+    reformed = [e for e in events(tmp_path, "hard1") if e["kind"] == "live.reformed"]
+    assert {e["cause"] for e in reformed} == {"failure"}
+
+
+def test_spare_is_promoted_in_place_when_a_member_leaves(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    # slower steps: the survivor must not finish before the promoted spare's workers
+    # have started (they import torch while the survivor keeps training)
+    steps, pace = 600, 0.1
+    a = LiveRun(tmp_path, "spare1", "1:2", "a", steps=steps, step_time=pace)
+    b = LiveRun(tmp_path, "spare1", "1:2", "b", steps=steps, step_time=pace)
+    nodes += [a, b]
+    wait_for(
+        lambda: len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4,
+        120,
+        "a world of 4 training",
+    )
+    spare = LiveRun(tmp_path, "spare1", "1:2", "c", steps=steps, step_time=pace)
+    nodes.append(spare)
+    wait_for(lambda: "spare" in spare.log() or spare.worker_pids() == set(), 30, "the spare")
+    a_pids = a.worker_pids()
+    assert spare.worker_pids() == set()  # a spare runs no workers
+    b.signal(signal.SIGUSR2)
+    assert b.wait(90) == ExitCode.PREEMPTED, b.log()
+    wait_for(lambda: len(spare.worker_pids()) == 2, 60, "the spare's workers")
+    c_pids = spare.worker_pids()
+    assert a.wait(150) == ExitCode.FINISHED, a.log()
+    assert spare.wait(60) == ExitCode.FINISHED, spare.log()
+
+    records = ledger(tmp_path)
+    last = [r for r in records if r["step"] == steps]
+    assert {r["pid"] for r in last} == a_pids | c_pids and {r["world"] for r in last} == {4}
+    assert redone_steps(records) == 0
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+
+
+def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: list[LiveRun]) -> None:
+    # The dead node is evicted after ~1.5-2.5 s; the workers wait only 0.5 s for a new
+    # round, so they exit and the agent restarts them from the last checkpoint.
+    steps = 300
+    args = ("--reform-timeout", "0.5", "--save-every", "10")
+    a = LiveRun(tmp_path, "fb1", "1:2", "a", *args, steps=steps, agent_args=("--max-restarts", "1"))
+    b = LiveRun(tmp_path, "fb1", "1:2", "b", *args, steps=steps, agent_args=("--max-restarts", "1"))
+    nodes += [a, b]
+    wait_for(
+        lambda: (
+            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
+            and steps_done(tmp_path) >= 25
+        ),
+        120,
+        "a world of 4 training",
+    )
+    a_pids = a.worker_pids()
+    b.kill_node()
+    assert a.wait(150) == ExitCode.FINISHED, a.log()
+    records = ledger(tmp_path)
+    last = [r for r in records if r["step"] == steps]
+    assert {r["world"] for r in last} == {2}
+    assert not {r["pid"] for r in last} & a_pids  # restarted: new processes
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+    starts = [e for e in events(tmp_path, "fb1") if e["kind"] == "live.start"]
+    assert any(str(e["resumed_from"]).endswith(tuple(f"step_{n}" for n in range(10, steps, 10)))
+               for e in starts)  # fmt: skip
+
+
+def test_join_on_the_restart_path_saves_first_and_loses_no_step(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    # SLURM_ELASTIC_IN_PLACE=0: the agent gives the workers the preemption notice before
+    # restarting them for the newcomer, so they save the current step first.
+    steps = 300
+    env = {"SLURM_ELASTIC_IN_PLACE": "0"}
+    args = ("--save-every", "1000")
+    a = LiveRun(tmp_path, "rs1", "1:2", "a", *args, steps=steps, env=env)
+    nodes.append(a)
+    wait_for(lambda: steps_done(tmp_path) >= 15, 90, "node a to train alone")
+    a_pids = {r["pid"] for r in ledger(tmp_path)}
+    b = LiveRun(tmp_path, "rs1", "1:2", "b", *args, steps=steps, env=env)
+    nodes.append(b)
+    assert a.wait(180) == ExitCode.FINISHED, a.log()
+    assert b.wait(60) == ExitCode.FINISHED, b.log()
+    records = ledger(tmp_path)
+    assert not {r["pid"] for r in records if r["world"] == 4} & a_pids  # restarted
+    assert redone_steps(records) == 0  # saved at the notice: nothing redone
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+
+
+def test_without_membership_change_in_place_equals_the_restart_path_bitwise(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    import torch
+
+    outs = []
+    for mode in ("1", "0"):
+        tmp = tmp_path / f"in_place_{mode}"
+        tmp.mkdir()
+        run = LiveRun(
+            tmp, f"bit{mode}", "1", "a", steps=60, step_time=0.0,
+            env={"SLURM_ELASTIC_IN_PLACE": mode},
+        )  # fmt: skip
+        nodes.append(run)
+        assert run.wait(180) == ExitCode.FINISHED, run.log()
+        outs.append(torch.load(tmp / "out.pt"))
+    assert outs[0].keys() == outs[1].keys()
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])

@@ -1,0 +1,125 @@
+"""Unit tests of the live parts: control channel, state commit/restore, failure
+classification, the agent's monotonic hang watchdog and its use of torch's loop."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_elastic.agent.watchdog import ProgressWatch
+from slurm_elastic.live import ElasticState, control, is_peer_failure
+from slurm_elastic.notice import report_progress
+
+
+def assignment(round_: int, local_rank: int = 0) -> control.Assignment:
+    return control.Assignment(round_, 2, 4, local_rank, 1, 2, "127.0.0.1", 1234)
+
+
+def test_assignment_watch_returns_only_newer_rounds(tmp_path: Path) -> None:
+    watch = control.AssignmentWatch(tmp_path, 0, current_round=3, min_interval_s=0)
+    assert watch.poll() is None
+    control.write_assignment(tmp_path, assignment(3))
+    assert watch.poll() is None  # the round the worker is in: stale
+    control.write_assignment(tmp_path, assignment(4))
+    assert watch.poll() == assignment(4)
+    watch.current_round = 4
+    assert watch.poll() is None
+
+
+def test_malformed_assignment_is_ignored_with_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "assign.0").write_text('{"round": 5, "rank": 9, "world_size": 2}')
+    assert control.read_assignment(tmp_path, 0) is None
+    with pytest.raises(ValueError, match="malformed assignment"):
+        control.Assignment.from_dict({"round": "x"})
+
+
+def test_registration_round_trip_and_clear(tmp_path: Path) -> None:
+    control.register_worker(tmp_path, 0, 111)
+    control.register_worker(tmp_path, 1, 222)
+    assert control.registered_workers(tmp_path) == {0: 111, 1: 222}
+    control.clear(tmp_path)
+    assert control.registered_workers(tmp_path) == {}
+
+
+def test_in_place_switch() -> None:
+    assert control.in_place_enabled({})
+    assert not control.in_place_enabled({control.IN_PLACE_ENV: "0"})
+
+
+def test_restore_rolls_back_and_commit_is_not_aliased_by_the_optimizer() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+
+    step()
+    state = ElasticState(model, opt, step=1)
+    state.commit((0, 1))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state[model.weight]["momentum_buffer"].clone()
+    ptr = model.weight.data_ptr()
+    for _ in range(2):  # twice: a restored optimizer must not write into the commit
+        step()
+        step()
+        state.counters["step"] = 3
+        state.restore()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+        assert torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
+        assert state.counters["step"] == 1
+    assert model.weight.data_ptr() == ptr  # same Parameter storage: optimizer stays valid
+
+
+def test_peer_failures_are_told_from_bugs() -> None:
+    assert is_peer_failure(RuntimeError("[gloo] Connection reset by peer"))
+    assert is_peer_failure(torch.distributed.DistNetworkError("x"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("Connection reset"))
+
+
+def test_watchdog_ignores_a_wall_clock_step(tmp_path: Path) -> None:
+    # Issue 9 item 5: the old watchdog computed time.time() - <time in the file>; a
+    # +100 s clock step made healthy workers look hung. Progress written with a wall time
+    # 100 s in the past (what a step of the agent's clock looks like) must read as fresh.
+    path = tmp_path / "progress"
+    now = [1000.0]
+    watch = ProgressWatch(path, clock=lambda: now[0])
+    assert watch.age_s() == 0.0  # not armed before the first report
+    path.write_text(f"{1:20d} {os.path.getmtime(tmp_path) - 100:20.6f}\n")
+    assert watch.age_s() == 0.0
+    now[0] += 2.0
+    path.write_text(f"{2:20d} {os.path.getmtime(tmp_path) - 100:20.6f}\n")
+    assert watch.age_s() == 0.0  # changed: progress
+    now[0] += 5.0
+    assert watch.age_s() == pytest.approx(5.0)  # unchanged for 5 s of monotonic time
+    watch.reset()
+    assert watch.age_s() == 0.0
+
+
+def test_watchdog_sees_real_reports(tmp_path: Path) -> None:
+    path = tmp_path / "progress"
+    now = [0.0]
+    watch = ProgressWatch(path, clock=lambda: now[0])
+    report_progress(1, path=path, force=True)
+    watch.age_s()
+    now[0] = 10.0
+    assert watch.age_s() == pytest.approx(10.0)
+    report_progress(2, path=path, force=True)
+    assert watch.age_s() == 0.0
+
+
+def test_agent_uses_torchs_monitor_loop() -> None:
+    # Issue 8 item 5: extension points, not a copy of _invoke_run (which dropped metrics).
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
+
+    assert SlurmElasticAgent._invoke_run is SimpleElasticAgent._invoke_run
+    assert "_monitor_workers" in SlurmElasticAgent.__dict__
+    assert "_restart_workers" in SlurmElasticAgent.__dict__
