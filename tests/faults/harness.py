@@ -1,0 +1,400 @@
+"""The fault matrix's harness: one real training job on the local Slurm, faults, checks.
+
+A :class:`FaultRun` renders the real ``elastic_array``/``fault_tolerant`` templates with
+``tests/faults/paced_train.py`` (``examples/train_ddp.py`` plus a pace the test controls),
+submits them, finds the job's agents and workers in the process table (all nodes share
+the PID namespace), injects faults, and at the end checks what every case must hold:
+
+* the job completes (every task in its expected final state);
+* no checkpoint is lost or corrupted: ``CheckpointManager.load_latest`` verifies the
+  final step's checkpoint;
+* the ledger shows every sample exactly once per epoch, and the final parameters are
+  within ``ATOL`` of an uninterrupted one-process run of the same training;
+* nothing of the job is left in the queue (only this run's job ids are looked at) and no
+  process of the run is left in the process table.
+
+Several faults share one job where one run can carry them in sequence (each waits for
+the run to have recovered before the next): :class:`Scenario` records each case's
+outcome, and each case is still its own test (``tests/faults/test_*.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.slurm.jobstate import JobInfo, JobState
+from tests.conftest import SlurmCluster
+from tests.e2e.jobs import (
+    FAST,
+    agent_events,
+    assert_each_sample_once_per_full_epoch,
+    effective_ledger,
+    max_abs_diff,
+    render,
+)
+from tests.e2e.test_slurm_e2e import reference_params
+from tests.helpers import wait_for
+
+PACED = Path(__file__).resolve().parent / "paced_train.py"
+ATOL = 2e-6  # as tests/e2e: float reassociation across world sizes only
+DATASET = 400
+GLOBAL_BATCH = 16
+SKIPPED = "skipped: "
+TERMINAL = {s for s in JobState if s.is_terminal}
+
+# One reference run per training configuration, shared by the whole session.
+_REFERENCES: dict[tuple[str, ...], Path] = {}
+
+
+def train_args(steps: int, save_every: int = 10) -> list[str]:
+    """The training every case runs (its reference is computed once per ``steps``)."""
+    return [
+        "--steps",
+        str(steps),
+        "--dataset-size",
+        str(DATASET),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--save-every",
+        str(save_every),
+    ]
+
+
+def reference(tmp_root: Path, args: list[str]) -> Path:
+    """Final parameters of the uninterrupted one-process run of ``args`` (cached)."""
+    key = tuple(args)
+    if key not in _REFERENCES:
+        where = tmp_root / f"reference-{len(_REFERENCES)}"
+        where.mkdir(parents=True)
+        _REFERENCES[key] = reference_params(where, args)
+    return _REFERENCES[key]
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process of the run, as the process table shows it."""
+
+    pid: int
+    ppid: int
+    cmdline: str
+    env: dict[str, str]
+
+    @property
+    def task(self) -> str | None:
+        return self.env.get("SLURM_ARRAY_TASK_ID")
+
+    @property
+    def node(self) -> str | None:
+        return self.env.get("SLURMD_NODENAME")
+
+
+def _read_proc(pid: int) -> Proc | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        env_raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    ppid = int(stat.rsplit(")", 1)[1].split()[1])
+    env = dict(
+        item.split("=", 1) for item in env_raw.decode(errors="replace").split("\0") if "=" in item
+    )
+    return Proc(pid, ppid, raw.replace(b"\0", b" ").decode(errors="replace"), env)
+
+
+def processes_mentioning(text: str) -> list[Proc]:
+    """Processes whose command line contains ``text`` (never this test process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        proc = _read_proc(int(entry))
+        if proc is not None and text in proc.cmdline:
+            found.append(proc)
+    return found
+
+
+@dataclass
+class FaultRun:
+    """One training job of the matrix on the local cluster.
+
+    Args:
+        cluster: the ``slurm_cluster`` fixture.
+        tmp: this run's directory (logs, state, ledger, params, pace file).
+        mode: ``elastic_array`` or ``fault_tolerant``.
+        steps: optimizer steps in total.
+        values: more template/config values (``nnodes``, ``partition``, ...).
+    """
+
+    cluster: SlurmCluster
+    tmp: Path
+    mode: str = "elastic_array"
+    steps: int = 400
+    save_every: int = 10
+    values: dict[str, Any] = field(default_factory=dict)
+    job: str = ""
+    extra_jobs: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        (self.tmp / "logs").mkdir(parents=True, exist_ok=True)
+        self.pace_file.touch()
+
+    # ------------------------------------------------------------------ paths
+    @property
+    def state(self) -> Path:
+        return self.tmp / "state"
+
+    @property
+    def pace_file(self) -> Path:
+        return self.tmp / "pace"
+
+    @property
+    def hold_file(self) -> Path:
+        return self.tmp / "hold-write"
+
+    @property
+    def run_id(self) -> str:
+        """The rendezvous run id: the configured one, else Slurm's job id (the default)."""
+        return str(self.values.get("run_id", self.job))
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.values.get("checkpoint_dir", self.state / "checkpoints" / self.run_id))
+
+    @property
+    def train_args(self) -> list[str]:
+        return train_args(self.steps, self.save_every)
+
+    def script(self) -> str:
+        args = [
+            *self.train_args,
+            "--step-time",
+            "0.15",
+            "--out",
+            str(self.tmp / "params.pt"),
+            "--ledger",
+            str(self.tmp / "ledger.jsonl"),
+            "--pace-file",
+            str(self.pace_file),
+            "--hold-write-file",
+            str(self.hold_file),
+        ]
+        values = {
+            "entrypoint": str(PACED),
+            "args": args,
+            "launcher": f"{sys.executable} -m slurm_elastic.cli.main",
+            "output_dir": str(self.tmp / "logs"),
+            "state_dir": str(self.state),
+            "setup": "export OMP_NUM_THREADS=1",
+            "job_name": f"faults-{self.tmp.name}"[:40],
+            "partition": "low",
+            **FAST,
+            "max_restarts": 20,
+            **self.values,
+        }
+        return render(self.mode, values)
+
+    # ------------------------------------------------------------------ lifecycle
+    def submit(self) -> str:
+        self.job = self.cluster.client.submit(self.script())
+        return self.job
+
+    def submit_extra(self, script: str) -> str:
+        """Submit another job this run owns (cancelled at the end, checked off the queue)."""
+        job = self.cluster.client.submit(script)
+        self.extra_jobs.append(job)
+        return job
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+            for p in sorted((self.tmp / "logs").glob("*.out"))
+        )
+
+    def events(self, since: float = 0.0, kind: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in agent_events(self.state, self.run_id)
+            if e["time"] >= since and (kind is None or e["kind"] == kind)
+        ]
+
+    def training_at(self, world: int, since: float) -> bool:
+        """Every rank of a world of ``world`` workers has (re)started training after ``since``."""
+        ranks = {e["rank"] for e in self.events(since, "train.start") if e["world_size"] == world}
+        return len(ranks) == world
+
+    def wait_training(self, world: int, since: float, timeout: float, what: str) -> None:
+        wait_for(
+            lambda: self.training_at(world, since),
+            timeout,
+            f"{what}: {world} workers training\n{self.logs()}",
+            interval=0.2,
+        )
+
+    def step_now(self) -> int:
+        """The newest step any worker reported in the ledger (0 before the first)."""
+        path = self.tmp / "ledger.jsonl"
+        if not path.exists():
+            return 0
+        last = path.read_text().strip().splitlines()[-1:]
+        return json.loads(last[0])["step"] if last else 0
+
+    def infos(self) -> list[JobInfo]:
+        return self.cluster.client.job_infos(self.job)
+
+    def task_info(self, task: int) -> JobInfo:
+        return self.cluster.client.job_info(f"{self.job}_{task}")
+
+    def wait_task(self, task: int, states: set[JobState], timeout: float) -> JobInfo:
+        return self.cluster.wait_state(f"{self.job}_{task}", states, timeout)
+
+    # ------------------------------------------------------------------ processes
+    def agents(self) -> list[Proc]:
+        return [
+            p
+            for p in processes_mentioning(str(self.tmp))
+            if "slurm_elastic.cli.main agent" in p.cmdline
+        ]
+
+    def workers(self) -> list[Proc]:
+        agents = {a.pid for a in self.agents()}
+        return [
+            p
+            for p in processes_mentioning(str(self.tmp))
+            if p.ppid in agents and "paced_train.py" in p.cmdline
+        ]
+
+    def agent_of_task(self, task: int) -> Proc:
+        return wait_for(
+            lambda: next((a for a in self.agents() if a.task == str(task)), None),
+            60,
+            f"the agent of task {task}",
+        )
+
+    def store_host(self) -> Proc:
+        """The agent that hosts the current round's workers' store (its rank 0)."""
+        root = Path(self.values.get("rdzv_endpoint", self.state / "rdzv"))
+        records = sorted(root.glob("*/epoch.*/store"), key=lambda p: p.stat().st_mtime)
+        assert records, f"no worker-store record under {root}"
+        record = json.loads(records[-1].read_text())
+        pid = int(record["node"].split("_")[-2])  # torch's node desc: addr_pid_localid
+        agent = next((a for a in self.agents() if a.pid == pid), None)
+        assert agent is not None, f"store host {record} is not an agent of this run"
+        return agent
+
+    @staticmethod
+    def kill(proc: Proc, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+
+    # ------------------------------------------------------------------ the end
+    def finish(
+        self, expected: Callable[[JobInfo], bool] | None = None, timeout: float = 600
+    ) -> list[JobInfo]:
+        """Let training run at full speed and wait for every task to end."""
+        self.pace_file.unlink(missing_ok=True)
+        self.hold_file.unlink(missing_ok=True)
+        infos = wait_for(
+            lambda: (i := self.infos()) and all(x.state in TERMINAL for x in i) and i,
+            timeout,
+            f"job {self.job} to finish\n{self.logs()}",
+            interval=0.5,
+        )
+        return infos
+
+    def cleanup(self) -> None:
+        """Cancel what is left of this run's jobs (only this run's ids)."""
+        self.pace_file.unlink(missing_ok=True)
+        self.hold_file.unlink(missing_ok=True)
+        for job in [self.job, *self.extra_jobs]:
+            if job:
+                with contextlib.suppress(Exception):
+                    self.cluster.client.cancel(job)
+
+    def check_end(self, tmp_root: Path) -> None:
+        """The invariants of every case (see the module docstring)."""
+        # nothing of ours in the queue
+        ours = {self.job, *self.extra_jobs}
+        left = [
+            q for q in self.cluster.client.queue() if q.job_id in ours or q.array_job_id in ours
+        ]
+        assert not left, f"left in the queue: {left}"
+        # nothing of ours in the process table
+        wait_for(
+            lambda: not processes_mentioning(str(self.tmp)),
+            60,
+            f"processes of the run to exit: {processes_mentioning(str(self.tmp))}",
+            interval=0.5,
+        )
+        # the newest checkpoint is the last step, and it verifies (load_latest verifies CRCs)
+        loaded = CheckpointManager(self.checkpoint_dir).load_latest()
+        assert loaded is not None, f"no loadable checkpoint in {self.checkpoint_dir}"
+        assert loaded.step == self.steps, (
+            f"newest verified checkpoint {loaded.step} != {self.steps}"
+        )
+        # every sample exactly once per epoch; final parameters as an uninterrupted run
+        ledger = effective_ledger(self.tmp / "ledger.jsonl")
+        assert_each_sample_once_per_full_epoch(ledger, DATASET)
+        steps_done = sum(len(v) for v in ledger.values()) // GLOBAL_BATCH
+        assert steps_done == self.steps, f"{steps_done} effective steps, expected {self.steps}"
+        diff = max_abs_diff(self.tmp / "params.pt", reference(tmp_root, self.train_args))
+        assert diff < ATOL, f"final parameters differ by {diff} from the uninterrupted run"
+
+
+class Scenario:
+    """Runs faults in sequence on one job and records each case's outcome.
+
+    A case that fails is recorded (with its traceback) and the scenario stops: later
+    cases are recorded as not reached. Each test then asserts its own case's outcome.
+    """
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, str | None] = {}
+        self.broken: str | None = None
+        self.end_error: str | None = None
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def case(self, name: str) -> Iterator[None]:
+        if self.broken is not None:
+            self.outcomes[name] = f"not reached: case {self.broken!r} failed before it"
+            yield
+            return
+        start = time.monotonic()
+        try:
+            yield
+        except pytest.skip.Exception as exc:
+            self.outcomes[name] = f"{SKIPPED}{exc.msg}"
+        except Exception:
+            self.outcomes[name] = traceback.format_exc()
+            self.broken = name
+        else:
+            self.outcomes[name] = None
+        self.seconds[name] = time.monotonic() - start
+
+    def run(self, name: str, body: Callable[[], None]) -> None:
+        with self.case(name):
+            if self.broken is None or self.broken == name:
+                body()
+
+    def check(self, name: str) -> None:
+        """Assert case ``name`` held, and the run's end invariants too."""
+        assert name in self.outcomes, f"case {name!r} was never run"
+        outcome = self.outcomes[name]
+        if outcome is not None and outcome.startswith(SKIPPED):
+            pytest.skip(outcome[len(SKIPPED) :])
+        assert outcome is None, f"case {name!r} failed:\n{outcome}"
+        assert self.end_error is None, f"the run's end checks failed:\n{self.end_error}"

@@ -1,0 +1,259 @@
+"""Fault matrix, Slurm and process faults: one ``elastic_array`` job (3 tasks, 1 worker
+each, restart path) carries the faults below in sequence; after each one the test waits
+until all 3 workers train again (requeueing a task by hand where the fault ends a task
+and nothing in Slurm brings it back, as a user would), then injects the next.
+
+Every case is its own test; each asserts its own case held *and* the end invariants
+(tests/faults/harness.py): the job completed, the last checkpoint verifies, every sample
+was used exactly once per epoch, the final parameters match an uninterrupted run, and
+nothing is left in the queue or the process table.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.checkpoint.manager import TMP_PREFIX
+from slurm_elastic.slurm.jobstate import JobState
+from tests.conftest import SlurmCluster
+from tests.faults.harness import FaultRun, Scenario
+from tests.helpers import wait_for
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.timeout(1800),
+]
+
+TASKS = 3
+RECOVER_S = 240  # a restart of the whole group under load, or a requeue + rejoin
+NO_SCONTROL_TASK = 2  # this task's PATH has no Slurm commands (as in a container)
+RUNNING = {JobState.RUNNING}
+
+
+def _foreign_jobs_on(run: FaultRun, node: str) -> list[str]:
+    out = run.cluster.client.run(["squeue", "-h", "-w", node, "-o", "%i"]).stdout.split()
+    return [j for j in out if not j.startswith(f"{run.job}_") and j not in run.extra_jobs]
+
+
+def _node_of_task(run: FaultRun, task: int) -> str:
+    return run.task_info(task).node_list
+
+
+def _recovered(run: FaultRun, since: float, what: str) -> None:
+    run.wait_training(TASKS, since, RECOVER_S, f"recovery after {what}")
+
+
+def _requeue_task(run: FaultRun, task: int) -> None:
+    """What a user does after a task's agent died: requeue it (Slurm keeps the script)."""
+    run.wait_task(task, {s for s in JobState if s.is_terminal}, 120)
+    run.cluster.client.requeue(f"{run.job}_{task}")
+
+
+def _scenario(run: FaultRun, sc: Scenario) -> None:
+    cl = run.cluster.client
+    t_start = time.time()
+    run.submit()
+    _recovered(run, t_start, "the start")
+    wait_for(lambda: run.step_now() >= 15, 120, "the first checkpoints", interval=0.2)
+
+    def worker_sigkill() -> None:
+        t0 = time.time()
+        run.kill(run.workers()[-1])
+        _recovered(run, t0, "a worker SIGKILL")
+        assert run.events(t0, "agent.restart"), "no agent.restart event after the kill"
+        resumed = [e["step"] for e in run.events(t0, "train.start")]
+        assert min(resumed) > 0, "resumed from scratch, not from a checkpoint"
+
+    def kill_during_checkpoint_write() -> None:
+        writing = Path(f"{run.hold_file}.writing")
+        writing.unlink(missing_ok=True)
+        run.hold_file.touch()
+        wait_for(writing.exists, 60, "a checkpoint write to be in progress", interval=0.1)
+        partial = list(run.checkpoint_dir.glob(f"{TMP_PREFIX}*"))
+        assert partial, "no partial checkpoint directory while writing"
+        committed = {c.step for c in CheckpointManager(run.checkpoint_dir).list_checkpoints()}
+        t0 = time.time()
+        subprocess.run(["kill", "-9", writing.read_text().strip()], check=True)
+        run.hold_file.unlink()
+        _recovered(run, t0, "a kill during a checkpoint write")
+        resumed = min(e["step"] for e in run.events(t0, "train.start"))
+        assert resumed in committed, f"resumed at {resumed}, not a committed step {committed}"
+
+    def corrupted_newest_checkpoint() -> None:
+        t0 = time.time()
+        for worker in run.workers():
+            run.kill(worker)
+        # no worker left to save: the newest committed checkpoint is the one we damage
+        newest = wait_for(
+            lambda: CheckpointManager(run.checkpoint_dir).latest_verified(deep=False),
+            30,
+            "a committed checkpoint",
+        )
+        data = newest.path / "state.pt"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        _recovered(run, t0, "a corrupted newest checkpoint")
+        skipped = [e for e in run.events(t0, "checkpoint.skipped") if e["step"] == newest.step]
+        assert skipped, f"the corrupted step {newest.step} was not reported as skipped"
+        resumed = min(e["step"] for e in run.events(t0, "train.start"))
+        assert resumed < newest.step, f"resumed at {resumed}: the corrupted step was loaded"
+
+    def usr2_preemption() -> None:
+        t0 = time.time()
+        cl.cancel(f"{run.job}_0", signal="USR2", batch=True)
+        wait_for(lambda: run.events(t0, "agent.requeued"), 120, "task 0 to requeue itself")
+        assert run.events(t0, "train.preempted"), "the workers did not save on the notice"
+        _recovered(run, t0, "USR2")
+
+    def sigterm_preemption() -> None:
+        t0 = time.time()
+        cl.cancel(f"{run.job}_1", signal="TERM", batch=True)
+        wait_for(lambda: run.events(t0, "agent.terminated"), 120, "task 1's agent to stop")
+        assert run.events(t0, "train.preempted"), "the workers did not save on SIGTERM"
+        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after SIGTERM")
+        info = run.wait_task(1, {s for s in JobState if s.is_terminal}, 120)
+        assert info.exit_code.startswith("5:"), f"exit {info.exit_code}, not TERMINATED (5)"
+        _requeue_task(run, 1)
+        _recovered(run, t0, "SIGTERM + requeue")
+
+    def scontrol_requeue() -> None:
+        t0 = time.time()
+        cl.requeue(f"{run.job}_0")
+        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after scontrol requeue")
+        _recovered(run, t0, "scontrol requeue")
+        assert (run.task_info(0).restarts or 0) >= 2
+
+    def agent_sigkill() -> None:
+        host = run.store_host()
+        victim = next(a for a in run.agents() if a.pid != host.pid)
+        t0 = time.time()
+        run.kill(victim)
+        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after an agent SIGKILL")
+        _requeue_task(run, int(victim.task or 0))
+        _recovered(run, t0, "an agent SIGKILL + requeue")
+
+    def store_host_sigkill() -> None:
+        host = run.store_host()
+        t0 = time.time()
+        run.kill(host)
+        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after the store host's SIGKILL")
+        _requeue_task(run, int(host.task or 0))
+        _recovered(run, t0, "the store host's SIGKILL + requeue")
+
+    def high_partition_preemption_without_scontrol() -> None:
+        node = _node_of_task(run, NO_SCONTROL_TASK)
+        foreign = _foreign_jobs_on(run, node)
+        if foreign:
+            pytest.skip(f"{node} also runs jobs {foreign} of others: not preempting them")
+        t0 = time.time()
+        run.submit_extra(
+            f"#!/bin/bash\n#SBATCH -p high -w {node} --exclusive -J faults-high\n"
+            f"#SBATCH -o {run.tmp}/logs/high.out\nsleep 5\n"
+        )
+        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after preemption")
+        log = next((run.tmp / "logs").glob(f"*_{NO_SCONTROL_TASK}.out")).read_text()
+        assert "'scontrol' was not found on PATH" in log, log[-3000:]
+        _recovered(run, t0, "preemption by a high job (Slurm's requeue, no scontrol)")
+
+    def node_down() -> None:
+        node = _node_of_task(run, 1)
+        if _foreign_jobs_on(run, node):
+            pytest.skip(f"{node} also runs jobs of others: not failing it")
+        t0 = time.time()
+        cl.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=faults-test"])
+        try:
+            run.wait_training(TASKS - 1, t0, RECOVER_S, f"survivors after {node} went DOWN")
+        finally:
+            cl.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        _recovered(run, t0, "a node DOWN")
+
+    def scancel_task() -> None:
+        t0 = time.time()
+        cl.cancel(f"{run.job}_0")
+        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after scancel of task 0")
+
+    for name, body in [
+        ("worker_sigkill", worker_sigkill),
+        ("kill_during_checkpoint_write", kill_during_checkpoint_write),
+        ("corrupted_newest_checkpoint", corrupted_newest_checkpoint),
+        ("usr2_preemption", usr2_preemption),
+        ("sigterm_preemption", sigterm_preemption),
+        ("scontrol_requeue_task", scontrol_requeue),
+        ("agent_sigkill", agent_sigkill),
+        ("store_host_agent_sigkill", store_host_sigkill),
+        ("high_partition_preemption_scontrol_missing", high_partition_preemption_without_scontrol),
+        ("node_down", node_down),
+        ("scancel_task", scancel_task),
+    ]:
+        sc.run(name, body)
+
+    infos = run.finish()
+    states = {i.array_task_id: i.state for i in infos}
+    expected = {str(t): JobState.COMPLETED for t in range(TASKS)}
+    if sc.outcomes.get("scancel_task") is None:
+        expected["0"] = JobState.CANCELLED
+    assert states == expected, f"{states}\n{run.logs()}"
+
+
+@pytest.fixture(scope="module")
+def array_run(
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Scenario]:
+    if slurm_cluster.mode != "netns":
+        pytest.skip(reason=f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r}")
+    tmp = tmp_path_factory.mktemp("array")
+    no_slurm = f'[ "$SLURM_ARRAY_TASK_ID" = {NO_SCONTROL_TASK} ] && export PATH=/nonexistent'
+    run = FaultRun(
+        slurm_cluster,
+        tmp,
+        steps=3000,
+        values={
+            "nnodes": f"1:{TASKS}",
+            "nproc_per_node": 1,
+            "cpus_per_task": 1,
+            "setup": f"export OMP_NUM_THREADS=1\n{no_slurm}",
+        },
+    )
+    sc = Scenario()
+    try:
+        try:
+            _scenario(run, sc)
+        except Exception as exc:
+            sc.end_error = f"{type(exc).__name__}: {exc}"
+        else:
+            try:
+                run.check_end(tmp.parent)
+            except AssertionError as exc:
+                sc.end_error = str(exc)
+        yield sc
+    finally:
+        run.cleanup()
+
+
+CASES = [
+    "worker_sigkill",
+    "kill_during_checkpoint_write",
+    "corrupted_newest_checkpoint",
+    "usr2_preemption",
+    "sigterm_preemption",
+    "scontrol_requeue_task",
+    "agent_sigkill",
+    "store_host_agent_sigkill",
+    "high_partition_preemption_scontrol_missing",
+    "node_down",
+    "scancel_task",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_array_fault(array_run: Scenario, case: str) -> None:
+    array_run.check(case)
