@@ -244,6 +244,17 @@ class FaultRun:
             interval=0.2,
         )
 
+    def wait_world_below(self, world: int, since: float, timeout: float, what: str) -> None:
+        """Wait until a round after ``since`` formed with fewer than ``world`` nodes."""
+        wait_for(
+            lambda: any(
+                e["group_world_size"] < world for e in self.events(since, "agent.workers_started")
+            ),
+            timeout,
+            f"{what}: a round of fewer than {world} nodes\n{self.logs()}",
+            interval=0.2,
+        )
+
     def step_now(self) -> int:
         """The newest step any worker reported in the ledger (0 before the first)."""
         path = self.tmp / "ledger.jsonl"

@@ -83,7 +83,9 @@ def storage_run(
             def stale_rendezvous_dir() -> None:
                 earlier.submit()
                 earlier.wait_training(1, 0, 240, "the earlier job")
-                earlier.cluster.client.cancel(earlier.job, signal="KILL", full=True)
+                # a crash, not a cancel: Slurm's own KILL would let the agent leave cleanly
+                for proc in [*earlier.workers(), *earlier.agents()]:
+                    earlier.kill(proc)
                 wait_for(
                     lambda: all(i.state in TERMINAL for i in earlier.infos()),
                     120,
@@ -121,6 +123,7 @@ def storage_run(
             sc.run("stale_rendezvous_dir", stale_rendezvous_dir)
             sc.run("enospc_checkpoint_dir", enospc_checkpoint_dir)
             try:
+                assert run.job, "the job of the matrix was never submitted"
                 infos = run.finish()
                 assert {i.state for i in infos} == {JobState.COMPLETED}, f"{infos}\n{run.logs()}"
                 run.check_end(tmp)

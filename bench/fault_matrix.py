@@ -1,0 +1,214 @@
+"""Run the fault matrix (tests/faults/) and rewrite its table in docs/reliability.md.
+
+    python bench/fault_matrix.py                 # run the matrix, rewrite the table
+    python bench/fault_matrix.py --from-junit X  # only rewrite, from an earlier run's junit XML
+    python bench/fault_matrix.py -k array        # a subset (pytest -k); other rows keep "not run"
+
+The table lies between ``<!-- fault-matrix:begin -->`` and ``<!-- fault-matrix:end -->``;
+everything else in the file is left alone. One row per case: the fault, what must hold,
+the result of this run (pass / FAIL / xfail / skipped with its reason) and the time.
+Needs the local Slurm cluster (``source /var/tmp/slurm-elastic-cluster/env``); run it
+from the repository root with the package importable (``PYTHONPATH=$PWD``).
+Prints one JSON line per case (keys bench, case, ours, baseline, ratio, target, ok).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "reliability.md"
+BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
+
+# test id (file::name[param]) -> (fault, what is checked beyond the invariants)
+CASES: dict[str, tuple[str, str]] = {
+    "test_array_faults.py::test_array_fault[worker_sigkill]": (
+        "worker SIGKILL",
+        "group restarts from the newest checkpoint (not step 0)",
+    ),
+    "test_array_faults.py::test_array_fault[kill_during_checkpoint_write]": (
+        "SIGKILL of rank 0 in the middle of a checkpoint write",
+        "the partial `.tmp-step_*` is ignored; resume from a committed step",
+    ),
+    "test_array_faults.py::test_array_fault[corrupted_newest_checkpoint]": (
+        "newest checkpoint corrupted (one byte flipped), then all workers killed",
+        "it is skipped (`checkpoint.skipped`), resume from the one before",
+    ),
+    "test_array_faults.py::test_array_fault[usr2_preemption]": (
+        "graceful preemption by USR2 (`scancel --signal=USR2 --batch`)",
+        "workers save; the task requeues itself and rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[sigterm_preemption]": (
+        "SIGTERM to one task (`scancel --signal=TERM --batch`)",
+        "workers save; agent exits TERMINATED (5), survivors go on; requeued by hand, it rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[scontrol_requeue_task]": (
+        "`scontrol requeue` of one array task",
+        "survivors go on at 2; the task comes back and rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[agent_sigkill]": (
+        "SIGKILL of an agent (not the store host)",
+        "survivors re-form at 2 (heartbeat loss); requeued by hand, it rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[store_host_agent_sigkill]": (
+        "SIGKILL of the agent hosting the workers' store",
+        "survivors re-form at 2 on a new store; requeued by hand, it rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[high_partition_preemption_scontrol_missing]": (
+        "preemption by a `high`-partition job, on a task without `scontrol` on PATH",
+        "clear `'scontrol' was not found on PATH` in the log; Slurm's requeue brings it back",
+    ),
+    "test_array_faults.py::test_array_fault[node_down]": (
+        "a node set DOWN (`scontrol update NodeName=… State=DOWN`)",
+        "Slurm requeues its task; survivors go on; it rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[scancel_task]": (
+        "`scancel` of one array task",
+        "survivors finish the run; that task ends CANCELLED",
+    ),
+    "test_storage_faults.py::test_storage_fault[stale_rendezvous_dir]": (
+        "stale rendezvous directory of an earlier (SIGKILLed) job, same run id and root",
+        "the new job starts and trains; it does not join the dead epoch",
+    ),
+    "test_storage_faults.py::test_storage_fault[enospc_checkpoint_dir]": (
+        "ENOSPC on the checkpoint directory (small tmpfs filled mid-run)",
+        "`checkpoint.failed` names the cause; saved checkpoints intact; completes once space is back",
+    ),
+    "test_shared_root.py::test_two_jobs_with_different_run_ids_share_a_root": (
+        "two jobs, one rendezvous root, different run ids",
+        "both complete, each exact",
+    ),
+    "test_shared_root.py::test_a_second_job_with_the_same_run_id_is_refused_clearly": (
+        "two jobs, one rendezvous root, the same run id",
+        "the second is refused (exit 6, message names the run id); the first is undisturbed",
+    ),
+    "test_time_limit.py::test_time_limit_notice_checkpoints_and_requeues": (
+        "the time limit (`--time=1 --signal=B:USR2@30`)",
+        "Slurm's notice: checkpoint, requeue, resume from it, complete",
+    ),
+    "test_slurmctld_restart.py::test_training_survives_a_slurmctld_restart": (
+        "slurmctld restarted mid-run",
+        "training goes on; a requeue after the restart still works",
+    ),
+    "test_config_errors.py::test_malformed_value_inside_a_job_fails_fast_and_clearly": (
+        "malformed `SLURM_ELASTIC_*` value inside a job",
+        "agent exits USAGE (2) at once, message names key and value, not requeued",
+    ),
+    "test_config_errors.py::test_malformed_config_or_flag_is_one_clear_line": (
+        "malformed job file / flag / env (7 variants)",
+        "exit 2, one line naming key, value and fix, no traceback",
+    ),
+    "test_soak.py::test_soak_small": (
+        "soak: consecutive membership changes (small version of bench/soak.py)",
+        "no growth in RSS, fds, threads, children, rendezvous and checkpoint files",
+    ),
+}
+
+INVARIANTS = (
+    "Every Slurm case also asserts the end invariants: the job completed; the newest "
+    "checkpoint is the last step and verifies (`load_latest`); every sample used exactly "
+    "once per epoch (ledger); final parameters within 2e-6 of an uninterrupted run; none "
+    "of the run's jobs left in the queue and none of its processes alive."
+)
+
+
+def _key(testcase: ET.Element) -> str:
+    file = testcase.get("classname", "").rsplit(".", 1)[-1] + ".py"
+    name = testcase.get("name", "")
+    base = re.sub(r"\[.*\]$", "", name)
+    if base == "test_malformed_config_or_flag_is_one_clear_line":
+        name = base  # one row for its variants
+    return f"{file}::{name}"
+
+
+def parse_junit(path: Path) -> dict[str, tuple[str, float, str]]:
+    """test key -> (result, seconds, detail); variants of one row are merged."""
+    results: dict[str, tuple[str, float, str]] = {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        key = _key(tc)
+        seconds = float(tc.get("time", 0))
+        if (skip := tc.find("skipped")) is not None:
+            kind = (
+                "xfail"
+                if "xfail" in (skip.get("type", "") + skip.get("message", ""))
+                else "skipped"
+            )
+            result, detail = kind, skip.get("message", "")
+        elif (fail := tc.find("failure")) is not None or (fail := tc.find("error")) is not None:
+            result, detail = "FAIL", (fail.get("message") or "")[:160]
+        else:
+            result, detail = "pass", ""
+        if key in results:
+            old = results[key]
+            worst = old[0] if old[0] != "pass" else result
+            results[key] = (worst, old[1] + seconds, old[2] or detail)
+        else:
+            results[key] = (result, seconds, detail)
+    return results
+
+
+def table(results: dict[str, tuple[str, float, str]], when: str) -> str:
+    lines = [
+        f"Last run: {when}. {INVARIANTS}",
+        "",
+        "| fault | also checked | result | s |",
+        "|---|---|---|---|",
+    ]
+    for key, (fault, checked) in CASES.items():
+        result, seconds, detail = results.get(key, ("not run", 0.0, ""))
+        shown = result if not detail or result == "pass" else f"{result}: {detail}"
+        shown = shown.replace("|", "/").replace("\n", " ")
+        lines.append(f"| {fault} | {checked} | {shown} | {seconds:.0f} |")
+    extra = sorted(set(results) - set(CASES))
+    for key in extra:
+        result, seconds, detail = results[key]
+        lines.append(f"| `{key}` | (not described) | {result} {detail} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def rewrite(doc: Path, body: str) -> None:
+    text = doc.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{doc}: markers {BEGIN} / {END} not found; add them where the table goes")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from-junit", type=Path, help="rewrite from this junit XML, run nothing")
+    parser.add_argument("-k", default=None, help="pytest -k expression (a subset)")
+    parser.add_argument("--doc", type=Path, default=DOC)
+    args = parser.parse_args()
+    if args.from_junit:
+        junit = args.from_junit
+    else:
+        junit = Path(tempfile.mkdtemp(prefix="fault-matrix-")) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "faults"), "-q", "-p", "no:cacheprovider",
+               f"--junitxml={junit}", "-o", "junit_family=xunit2"]  # fmt: skip
+        if args.k:
+            cmd += ["-k", args.k]
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        subprocess.run(cmd, cwd=REPO, env=env, check=False)
+    results = parse_junit(junit)
+    when = dt.datetime.fromtimestamp(junit.stat().st_mtime, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rewrite(args.doc, table(results, when))
+    for key, (result, seconds, _detail) in results.items():
+        ok = result in ("pass", "xfail")
+        print(json.dumps({"bench": "fault_matrix", "case": key, "ours": result, "baseline": "pass",
+                          "ratio": None, "target": "pass", "ok": ok, "seconds": round(seconds, 1)}))  # fmt: skip
+    return 0 if all(r[0] in ("pass", "xfail", "skipped") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
