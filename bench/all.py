@@ -71,7 +71,7 @@ def _fmt(value: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]], mode: str) -> str:
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     extra = sorted(
         {k for r in rows for k in r}

@@ -1,7 +1,7 @@
 """Run the fault matrix (tests/faults/) and rewrite its table in docs/reliability.md.
 
     python bench/fault_matrix.py                 # run the matrix, rewrite the table
-    python bench/fault_matrix.py --from-junit X  # only rewrite, from an earlier run's junit XML
+    python bench/fault_matrix.py --from-junit X.xml [Y.xml ...]  # only rewrite, from earlier runs
     python bench/fault_matrix.py -k array        # a subset (pytest -k); other rows keep "not run"
 
 The table lies between ``<!-- fault-matrix:begin -->`` and ``<!-- fault-matrix:end -->``;
@@ -186,12 +186,14 @@ def rewrite(doc: Path, body: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--from-junit", type=Path, help="rewrite from this junit XML, run nothing")
+    parser.add_argument(
+        "--from-junit", type=Path, nargs="+", help="rewrite from these junit XML files, run nothing"
+    )
     parser.add_argument("-k", default=None, help="pytest -k expression (a subset)")
     parser.add_argument("--doc", type=Path, default=DOC)
     args = parser.parse_args()
     if args.from_junit:
-        junit = args.from_junit
+        junits = args.from_junit
     else:
         junit = Path(tempfile.mkdtemp(prefix="fault-matrix-")) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "faults"), "-q", "-p", "no:cacheprovider",
@@ -200,8 +202,12 @@ def main() -> int:
             cmd += ["-k", args.k]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         subprocess.run(cmd, cwd=REPO, env=env, check=False)
-    results = parse_junit(junit)
-    when = dt.datetime.fromtimestamp(junit.stat().st_mtime, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        junits = [junit]
+    results: dict[str, tuple[str, float, str]] = {}
+    for path in junits:
+        results.update(parse_junit(path))
+    newest = max(p.stat().st_mtime for p in junits)
+    when = dt.datetime.fromtimestamp(newest, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rewrite(args.doc, table(results, when))
     for key, (result, seconds, _detail) in results.items():
         ok = result in ("pass", "xfail")
