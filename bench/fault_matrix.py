@@ -63,9 +63,9 @@ CASES: dict[str, tuple[str, str]] = {
         "SIGKILL of the agent hosting the workers' store",
         "survivors re-form at 2 on a new store; requeued by hand, it rejoins",
     ),
-    "test_array_faults.py::test_array_fault[high_partition_preemption_scontrol_missing]": (
-        "preemption by a `high`-partition job, on a task without `scontrol` on PATH",
-        "clear `'scontrol' was not found on PATH` in the log; Slurm's requeue brings it back",
+    "test_array_faults.py::test_array_fault[high_partition_preemption]": (
+        "preemption by a `high`-partition job (`-w node --exclusive`)",
+        "USR2 notice: workers save, the task requeues itself and rejoins",
     ),
     "test_array_faults.py::test_array_fault[node_down]": (
         "a node set DOWN (`scontrol update NodeName=… State=DOWN`)",
@@ -74,6 +74,10 @@ CASES: dict[str, tuple[str, str]] = {
     "test_array_faults.py::test_array_fault[scancel_task]": (
         "`scancel` of one array task",
         "survivors finish the run; that task ends CANCELLED",
+    ),
+    "test_array_faults.py::test_array_fault[scontrol_missing_slurm_requeues]": (
+        "`scontrol` missing from PATH in the job (as in a container), task preempted by a `high` job",
+        "clear `'scontrol' was not found on PATH` in the log; Slurm's own requeue brings it back",
     ),
     "test_storage_faults.py::test_storage_fault[stale_rendezvous_dir]": (
         "stale rendezvous directory of an earlier (SIGKILLed) job, same run id and root",
@@ -106,6 +110,10 @@ CASES: dict[str, tuple[str, str]] = {
     "test_config_errors.py::test_malformed_config_or_flag_is_one_clear_line": (
         "malformed job file / flag / env (7 variants)",
         "exit 2, one line naming key, value and fix, no traceback",
+    ),
+    "test_config_errors.py::test_a_bad_value_in_a_job_file_is_attributed_to_the_file": (
+        "a bad value in a job file (`submit job.yaml`)",
+        "the message names the file, not 'the command line'",
     ),
     "test_soak.py::test_soak_small": (
         "soak: consecutive membership changes (small version of bench/soak.py)",

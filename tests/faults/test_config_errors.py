@@ -104,3 +104,23 @@ def test_malformed_value_inside_a_job_fails_fast_and_clearly(
         wait_for(lambda: not processes_mentioning(str(run.tmp)), 30, "no process left")
     finally:
         run.cleanup()
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="defect: a bad value in the job file is reported 'from the command line' "
+    "instead of naming the file; CLI errors are #14 (h-readme)",
+)
+def test_a_bad_value_in_a_job_file_is_attributed_to_the_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("entrypoint: x.py\nmax_restarts: lots\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    proc = subprocess.run(
+        [*CLI, "submit", str(job), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=120,
+    )
+    assert proc.returncode == ExitCode.USAGE, proc
+    assert "command line" not in proc.stderr and str(job) in proc.stderr, proc.stderr
