@@ -96,8 +96,12 @@ CASES: dict[str, tuple[str, str]] = {
         "the second is refused (exit 6, message names the run id); the first is undisturbed",
     ),
     "test_time_limit.py::test_time_limit_notice_checkpoints_and_requeues": (
-        "the time limit (`--time=1 --signal=B:USR2@30`)",
+        "the time limit (`--time=2 --signal=B:USR2@45`)",
         "Slurm's notice: checkpoint, requeue, resume from it, complete",
+    ),
+    "test_time_limit.py::test_a_notice_during_start_up_does_not_lose_the_task": (
+        "a notice (USR2) during start-up, before the agent's handler exists",
+        "the task is not lost: it completes",
     ),
     "test_slurmctld_restart.py::test_training_survives_a_slurmctld_restart": (
         "slurmctld restarted mid-run",

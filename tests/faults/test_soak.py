@@ -22,6 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_soak_small(tmp_path: Path) -> None:
-    rows = Soak(tmp_path, changes=6).run()
+    rows = Soak(tmp_path, changes=4).run()
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
