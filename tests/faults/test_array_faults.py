@@ -119,7 +119,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         cl.cancel(f"{run.job}_1", signal="TERM", batch=True)
         wait_for(lambda: run.events(t0, "agent.terminated"), 120, "task 1's agent to stop")
         assert run.events(t0, "train.preempted"), "the workers did not save on SIGTERM"
-        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after SIGTERM")
+        run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after SIGTERM")
         info = run.wait_task(1, {s for s in JobState if s.is_terminal}, 120)
         assert info.exit_code.startswith("5:"), f"exit {info.exit_code}, not TERMINATED (5)"
         _requeue_task(run, 1)
@@ -128,7 +128,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
     def scontrol_requeue() -> None:
         t0 = time.time()
         cl.requeue(f"{run.job}_0")
-        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after scontrol requeue")
+        run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after scontrol requeue")
         _recovered(run, t0, "scontrol requeue")
         assert (run.task_info(0).restarts or 0) >= 2
 
@@ -137,7 +137,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         victim = next(a for a in run.agents() if a.pid != host.pid)
         t0 = time.time()
         run.kill(victim)
-        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after an agent SIGKILL")
+        run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after an agent SIGKILL")
         _requeue_task(run, int(victim.task or 0))
         _recovered(run, t0, "an agent SIGKILL + requeue")
 
@@ -145,7 +145,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         host = run.store_host()
         t0 = time.time()
         run.kill(host)
-        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after the store host's SIGKILL")
+        run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after the store host's SIGKILL")
         _requeue_task(run, int(host.task or 0))
         _recovered(run, t0, "the store host's SIGKILL + requeue")
 
