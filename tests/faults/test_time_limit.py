@@ -50,7 +50,7 @@ def test_time_limit_notice_checkpoints_and_requeues(
             interval=1,
         )
         signals = [e for e in run.events(0, "agent.signal")]
-        assert signals and signals[0]["signal"] == "USR2" and signals[0]["notice"], signals
+        assert signals and signals[0]["signal"] == "SIGUSR2" and signals[0]["notice"], signals
         assert run.events(0, "train.preempted"), "the workers did not checkpoint on the notice"
         resumed = wait_for(
             lambda: [e for e in run.events(requeued[0]["time"], "train.start") if e["step"] > 0],
