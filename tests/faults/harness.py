@@ -49,6 +49,9 @@ from tests.e2e.test_slurm_e2e import reference_params
 from tests.helpers import wait_for
 
 PACED = Path(__file__).resolve().parent / "paced_train.py"
+# The example the jobs run (tests/faults/paced_train.py): train_ddp is the restart path;
+# set FAULTS_TRAIN_MODULE to an in-place example (issue #11) with the same command line.
+TRAIN_MODULE = os.environ.get("FAULTS_TRAIN_MODULE", "train_ddp")
 ATOL = 2e-6  # as tests/e2e: float reassociation across world sizes only
 DATASET = 400
 GLOBAL_BATCH = 16
@@ -191,6 +194,8 @@ class FaultRun:
             str(self.pace_file),
             "--hold-write-file",
             str(self.hold_file),
+            "--train-module",
+            TRAIN_MODULE,
         ]
         values = {
             "entrypoint": str(PACED),

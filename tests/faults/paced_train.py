@@ -4,6 +4,10 @@
   PATH exists. The test keeps training slow while it injects faults, then removes the
   file and the run finishes at full speed: a run is as long as its faults need, no
   longer, and no fault can hit a run that already ended.
+* **Which example**: ``--train-module NAME`` (default ``train_ddp``) runs another
+  example of ``examples/`` with train_ddp's command line and its module-level ``time``
+  and ``CheckpointManager`` (the harness passes ``$FAULTS_TRAIN_MODULE``): the in-place
+  example of issue #11 once merged.
 * **Slow checkpoint write**: ``--hold-write-file PATH``: while PATH exists, rank 0's
   checkpoint writer creates ``PATH.writing`` and sleeps at the ``mid_data`` point of the
   write (half the state file written). The test SIGKILLs the worker there: a real kill
@@ -15,14 +19,13 @@ the final parameters still equal an uninterrupted run's.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time as _time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-import train_ddp
 
 from slurm_elastic.checkpoint import CheckpointManager
 
@@ -53,6 +56,9 @@ class _PacedTime:
 
 def main() -> int:
     argv = sys.argv[1:]
+    # which example to run: train_ddp (the restart path) or, once issue #11 is merged,
+    # an in-place example with the same command line (--train-module)
+    train_ddp = importlib.import_module(_pop(argv, "--train-module") or "train_ddp")
     pace = _pop(argv, "--pace-file")
     hold = _pop(argv, "--hold-write-file")
     train_ddp.time = _PacedTime(pace)  # type: ignore[assignment]
