@@ -129,7 +129,8 @@ INVARIANTS = (
     "Every Slurm case also asserts the end invariants: the job completed; the newest "
     "checkpoint is the last step and verifies (`load_latest`); every sample used exactly "
     "once per epoch (ledger); final parameters within 2e-6 of an uninterrupted run; none "
-    "of the run's jobs left in the queue and none of its processes alive."
+    "of the run's jobs left in the queue and none of its processes alive. Column s: "
+    "seconds of the test; a job that carries several cases counts on its first case."
 )
 
 
