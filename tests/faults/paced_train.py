@@ -5,12 +5,13 @@
   file and the run finishes at full speed: a run is as long as its faults need, no
   longer, and no fault can hit a run that already ended.
 * **Which example**: ``--train-module NAME`` (default ``train_ddp``) runs another
-  example of ``examples/`` with train_ddp's command line and its module-level ``time``
-  and ``CheckpointManager`` (the harness passes ``$FAULTS_TRAIN_MODULE``): the in-place
-  example of issue #11 once merged.
+  example of ``examples/`` with train_ddp's command line and a module-level ``time``
+  (the harness passes ``$FAULTS_TRAIN_MODULE``): the in-place example of issue #11 once
+  merged.
 * **Slow checkpoint write**: ``--hold-write-file PATH``: while PATH exists, rank 0's
   checkpoint writer creates ``PATH.writing`` and sleeps at the ``mid_data`` point of the
-  write (half the state file written). The test SIGKILLs the worker there: a real kill
+  write (half the state file written; the checkpoint code's private test seam
+  ``slurm_elastic.checkpoint._faults``). The test SIGKILLs the worker there: a real kill
   during a real write, not a simulated one.
 
 The training computation is untouched (the sleep and the hook do not touch tensors), so
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.checkpoint import _faults
 
 
 def _pop(argv: list[str], flag: str) -> str | None:
@@ -70,12 +71,7 @@ def main() -> int:
                 while os.path.exists(hold):
                     _time.sleep(0.05)
 
-        original = CheckpointManager.from_env.__func__  # type: ignore[attr-defined]
-
-        def from_env(cls, default=None, **kwargs):  # type: ignore[no-untyped-def]
-            return original(cls, default, testing_hook=hook, **kwargs)
-
-        train_ddp.CheckpointManager.from_env = classmethod(from_env)  # type: ignore[method-assign,assignment]
+        _faults.install(hook)
     return train_ddp.main(argv)
 
 
