@@ -4,9 +4,8 @@
 * with the **same run id** while the first runs: the second is refused with a clear
   message naming the run id, and the first completes undisturbed.
 
-The second case needs the rendezvous' same-run-id guard (issue #9, branch h-rdzv): until
-that is merged it is an expected failure (``strict=False``: it passes once merged; then
-drop the mark).
+The second case is the rendezvous' same-run-id guard of issue #9 (``RunIdInUseError``:
+the refused agent exits 2, ``USAGE``).
 """
 
 from __future__ import annotations
@@ -65,10 +64,6 @@ def test_two_jobs_with_different_run_ids_share_a_root(
         run.check_end(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs #9 (h-rdzv): a second job with a live run's id must be refused clearly",
-)
 def test_a_second_job_with_the_same_run_id_is_refused_clearly(
     slurm_cluster: SlurmCluster, tmp_path: Path, cleanup: list[FaultRun]
 ) -> None:
@@ -82,7 +77,10 @@ def test_a_second_job_with_the_same_run_id_is_refused_clearly(
     second.submit()
     info = slurm_cluster.wait_state(f"{second.job}_0", TERMINAL, timeout=240)
     log = second.logs()
-    assert info.exit_code.startswith(f"{int(ExitCode.RENDEZVOUS_FAILED)}:"), f"{info}\n{log}"
+    # refused at once as a usage error (the fix is another run id), not a crash
+    codes = {int(ExitCode.USAGE), int(ExitCode.RENDEZVOUS_FAILED)}
+    assert int(info.exit_code.split(":")[0]) in codes, f"{info}\n{log}"
+    assert "in use by another live job" in log, log
     assert "shared-id" in log and "run id" in log.lower(), log
     # the first job never saw the second one: no new round after it came
     wait_for(lambda: first.step_now() > 20, 60, "the first job to go on")
