@@ -93,7 +93,7 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "test_shared_root.py::test_a_second_job_with_the_same_run_id_is_refused_clearly": (
         "two jobs, one rendezvous root, the same run id",
-        "the second is refused (exit 6, message names the run id); the first is undisturbed",
+        "the second is refused (exit 2, `RunIdInUseError` names the run id); the first is undisturbed",
     ),
     "test_time_limit.py::test_time_limit_notice_checkpoints_and_requeues": (
         "the time limit (`--time=2 --signal=B:USR2@45`)",
