@@ -237,9 +237,30 @@ class FaultRun:
         ]
 
     def training_at(self, world: int, since: float) -> bool:
-        """Every rank of a world of ``world`` workers has (re)started training after ``since``."""
+        """Every rank of a world of ``world`` workers trains after ``since``.
+
+        Either each (re)started worker said so (``train.start``, the restart path), or the
+        ledger has steps of all ``world`` ranks at that world size after ``since`` (also
+        true when the world changed in place, without a new ``train.start``).
+        """
         ranks = {e["rank"] for e in self.events(since, "train.start") if e["world_size"] == world}
-        return len(ranks) == world
+        if len(ranks) == world:
+            return True
+        path = self.tmp / "ledger.jsonl"
+        if not path.exists():
+            return False
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - (256 << 10)))
+            tail = fh.read().decode(errors="replace").splitlines()[1:]
+        seen = set()
+        for line in tail:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("world") == world and rec.get("time", 0) >= since:
+                seen.add(rec["rank"])
+        return len(seen) == world
 
     def wait_training(self, world: int, since: float, timeout: float, what: str) -> None:
         wait_for(
