@@ -5,9 +5,11 @@ membership machinery is the same; Slurm only starts the agents): agent A runs al
 time, agent B joins and leaves (SIGTERM: it stops its workers and leaves the
 rendezvous) in turn. Every join and every leave is one membership change of A's run:
 on the **restart** path A's workers are restarted from the newest checkpoint (a new
-worker process each time); on the **in-place** path (``--path in-place``, once the
-in-place membership changes of issue #11 are merged: pass that example with
-``--entrypoint``) A's worker process stays and only re-forms its group.
+worker process each time); on the **in-place** path (issue #11; ``examples/train_ddp.py``
+runs on ``ElasticLoop`` since it was merged) A's worker process stays and only re-forms
+its group. ``--path restart|in-place`` asserts which one happened (``worker_processes``);
+without it the count is reported. ``--entrypoint`` picks another training script with
+train_ddp's command line.
 
 After each change, once A's worker trains again, it samples A and its workers:
 
@@ -113,7 +115,7 @@ class Soak:
 
     tmp: Path
     changes: int
-    path: str = "restart"
+    path: str | None = None
     entrypoint: Path = TRAIN
 
     def __post_init__(self) -> None:
@@ -327,16 +329,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 changes instead of 100")
     parser.add_argument("--changes", type=int, default=None)
-    parser.add_argument("--path", choices=("restart", "in-place"), default="restart")
+    parser.add_argument(
+        "--path",
+        choices=("restart", "in-place"),
+        default=None,
+        help="assert this path (restart: a new worker per change; in-place: one worker)",
+    )
     parser.add_argument("--entrypoint", type=Path, default=TRAIN, help="the training script")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()
     changes = args.changes or (12 if args.quick else 100)
-    if args.path == "in-place" and args.entrypoint == TRAIN:
-        parser.error(
-            "--path in-place needs a training script that changes membership in place "
-            "(issue #11); pass it with --entrypoint"
-        )
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         soak = Soak(Path(tmp), changes, args.path, args.entrypoint)
         rows = soak.run(progress=args.progress)
