@@ -145,6 +145,7 @@ class Soak:
             "--state-dir", str(self.state), str(self.entrypoint),
             "--steps", "100000000", "--dataset-size", "400", "--global-batch", "16",
             "--save-every", "10", "--step-time", "0.05", "--leave-wait", "30",
+            "--ledger", str(self.tmp / "ledger.jsonl"),
         ]  # fmt: skip
         log = open(self.tmp / f"agent-{name}.log", "ab")  # noqa: SIM115 - the child owns it
         return subprocess.Popen(argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT)
@@ -171,8 +172,31 @@ class Soak:
             for rec in self._events(since, "train.start"):
                 if rec["world_size"] == world and rec["pid"] in kids:
                     return int(rec["pid"])
+            # in place (no new train.start): the ledger shows A's worker at that world
+            for rec in self._ledger_tail():
+                if (
+                    rec.get("world") == world
+                    and rec.get("time", 0) >= since
+                    and rec.get("pid") in kids
+                ):
+                    return int(rec["pid"])
             time.sleep(0.1)
         raise TimeoutError(f"agent {agent}'s worker did not train at world {world} in {timeout} s")
+
+    def _ledger_tail(self) -> list[dict[str, Any]]:
+        path = self.tmp / "ledger.jsonl"
+        if not path.exists():
+            return []
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - (64 << 10)))
+            lines = fh.read().decode(errors="replace").splitlines()[1:]
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def _sample(self, agent: int) -> dict[str, float]:
         kids = _children(agent)
