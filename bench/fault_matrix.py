@@ -213,7 +213,11 @@ def main() -> int:
                f"--junitxml={junit}", "-o", "junit_family=xunit2"]  # fmt: skip
         if args.k:
             cmd += ["-k", args.k]
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {
+            **os.environ,
+            "SLURM_ELASTIC_FAULTS": "1",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
         subprocess.run(cmd, cwd=REPO, env=env, check=False)
         junits = [junit]
     results: dict[str, tuple[str, float, str]] = {}
