@@ -71,9 +71,13 @@ class Narrator:
         for e in new:
             kind = e["kind"]
             host = e.get("host") if self.distinct_hosts() else f"agent {e.get('pid')}"
-            if kind == "agent.workers_started" and e["group_world_size"] != self.world:
+            if (
+                kind in ("agent.workers_started", "agent.reformed_in_place")
+                and e["group_world_size"] != self.world
+            ):
                 self.world = e["group_world_size"]
-                say(f"world is now {self.world} node(s) x 1 worker")
+                how = " (workers kept running)" if kind == "agent.reformed_in_place" else ""
+                say(f"world is now {self.world} node(s) x 1 worker{how}")
             elif kind == "agent.signal":
                 say(f"{host}: got {e['signal']} (preemption notice) -> workers checkpoint")
             elif kind == "agent.requeued":
@@ -138,7 +142,8 @@ def run_slurm(work: Path, steps: int) -> tuple[int, str]:
         return [
             e
             for e in read_events(n.events_dir)
-            if e["kind"] == "train.start" and e["world_size"] == nodes
+            # a worker starts in a world of that size, or switches to it in place
+            if e["kind"] in ("train.start", "live.reformed") and e["world_size"] == nodes
         ]
 
     try:
@@ -208,7 +213,10 @@ def run_local(work: Path, steps: int) -> tuple[int, str]:
 
     def trains(nodes: int) -> int:
         return sum(
-            1 for e in n.poll_all() if e["kind"] == "train.start" and e["world_size"] == nodes
+            1
+            for e in n.poll_all()
+            # a worker starts in a world of that size, or switches to it in place
+            if e["kind"] in ("train.start", "live.reformed") and e["world_size"] == nodes
         )
 
     try:

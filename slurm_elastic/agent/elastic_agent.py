@@ -244,15 +244,15 @@ class SlurmElasticAgent(LocalElasticAgent):
         if self._leaving_since is not None:
             return  # this node left: no new round for it
         membership = not charged and self._last_state == WorkerState.HEALTHY
+        if membership and self._workers_registered():
+            self._reform_in_place(worker_group)  # emits agent.reformed_in_place
+            return
         events.emit(
             events.AgentRestart(
                 reason="membership" if not charged else "failure",
                 remaining_restarts=self._remaining_restarts,
             )
         )
-        if membership and self._workers_registered():
-            self._reform_in_place(worker_group)
-            return
         if membership:
             self._notice_before_restart(worker_group)
         before = worker_group.group_world_size

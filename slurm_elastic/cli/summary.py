@@ -306,7 +306,8 @@ def summarize_run(
             rdzv_name[e.node] = node if node is not None else NodeSummary(key=e.node)
             if node is not None:
                 node.rank, node.state = e.rank, "joined"
-        elif isinstance(e, ev.WorkersStarted):
+        elif isinstance(e, (ev.WorkersStarted, ev.AgentReformedInPlace)):
+            # A new round: workers (re)started, or the live workers switched in place.
             out.world_nodes, out.world_workers = e.group_world_size, e.world_size
             if not out.world_series or out.world_series[-1][1] != e.group_world_size:
                 out.world_series.append((e.time, e.group_world_size))
