@@ -171,9 +171,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 def slurm_netns_cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
     """The local cluster, when it runs in netns mode (skips otherwise)."""
     if slurm_cluster.mode != "netns":
-        pytest.skip(
-            reason=f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r} mode"
-        )
+        why = f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r} mode"
+        pytest.skip(reason=why)
     return slurm_cluster
 
 

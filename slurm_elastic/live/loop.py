@@ -283,7 +283,8 @@ class ElasticLoop:
         self._started = True
         if self.in_place:
             first = control.Assignment.from_environ()
-            assert first is not None  # checked in __init__
+            if first is None:  # checked in __init__; the environment changed since
+                raise RuntimeError("in-place mode without an assignment in the environment")
             directory = os.environ[control.CONTROL_DIR_ENV]
             self._watch = control.AssignmentWatch(directory, first.local_rank, first.round)
             self._join(first, self._connect(first))
@@ -465,8 +466,11 @@ class ElasticLoop:
             return 0
         latest = self._watch.poll()
         fresh = latest is not None and latest.round not in self._failed_rounds
-        if fresh and (self._pending is None or self._pending.assignment != latest):
-            assert latest is not None
+        if (
+            latest is not None
+            and fresh
+            and (self._pending is None or self._pending.assignment != latest)
+        ):
             try:
                 self._pending = _Pending(latest, self._connect(latest))
             except Exception as exc:  # a superseded round's store is gone
@@ -624,7 +628,8 @@ class ElasticLoop:
 
     def _switch(self) -> None:
         pending = self._pending
-        assert pending is not None
+        if pending is None:  # an internal invariant: _boundary decided to switch
+            raise RuntimeError("switch without a pending assignment")
         started = time.monotonic()
         self._commit()
         old_world = self.world_size

@@ -166,8 +166,9 @@ class PollingOpExecutor(_DistributedRendezvousOpExecutor):
 
     def _join_by_intent(self, deadline: float) -> None:
         """Post this node's intent; merge all pending ones if this node is the merger."""
-        assert self._board is not None
         board = self._board
+        if board is None:  # an internal invariant: only called once the board exists
+            raise RuntimeError("join by intent without an intent board")
         me = IntentBoard.name(self._node)
         if self._posted_at is None:
             board.post(self._node)

@@ -61,7 +61,7 @@ def load_private_pickle(path: Path) -> Any:
                 f"{os.geteuid()}), mode {stat.filemode(st.st_mode)}; only files this user "
                 "owns and others cannot write are read"
             )
-        return pickle.load(fh)
+        return pickle.load(fh)  # verified: our own file (owner, mode, no symlink) above
 
 
 class JobTimeoutError(SlurmElasticError, TimeoutError):

@@ -20,9 +20,8 @@ OPT_IN = "SLURM_ELASTIC_FAULTS"
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get(OPT_IN) != "1":
-        skip = pytest.mark.skip(
-            reason=f"fault matrix is opt-in ({OPT_IN}=1, or python bench/fault_matrix.py)"
-        )
+        why = f"fault matrix is opt-in ({OPT_IN}=1, or python bench/fault_matrix.py)"
+        skip = pytest.mark.skip(reason=why)
         for item in items:
             if item.get_closest_marker("slurm") or item.get_closest_marker("slow"):
                 item.add_marker(skip)

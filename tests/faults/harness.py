@@ -432,6 +432,6 @@ class Scenario:
         assert name in self.outcomes, f"case {name!r} was never run"
         outcome = self.outcomes[name]
         if outcome is not None and outcome.startswith(SKIPPED):
-            pytest.skip(outcome[len(SKIPPED) :])
+            pytest.skip(reason=outcome[len(SKIPPED) :])
         assert outcome is None, f"case {name!r} failed:\n{outcome}"
         assert self.end_error is None, f"the run's end checks failed:\n{self.end_error}"

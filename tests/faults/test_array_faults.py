@@ -153,7 +153,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         node = _node_of_task(run, task)
         foreign = _foreign_jobs_on(run, node)
         if foreign:
-            pytest.skip(f"{node} also runs jobs {foreign} of others: not preempting them")
+            pytest.skip(reason=f"{node} also runs jobs {foreign} of others: not preempting them")
         t0 = time.time()
         run.submit_extra(
             f"#!/bin/bash\n#SBATCH -p high -w {node} --exclusive -J faults-high\n"
@@ -166,7 +166,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         spare = _node_of_task(run, NO_SCONTROL_TASK)
         task = next((t for t in (0, 1) if _node_of_task(run, t) != spare), None)
         if task is None:
-            pytest.skip(f"every task shares {spare} with task {NO_SCONTROL_TASK}")
+            pytest.skip(reason=f"every task shares {spare} with task {NO_SCONTROL_TASK}")
         t0 = preempt_node_of(task)
         run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after preemption")
         _recovered(run, t0, "preemption by a high job")
@@ -174,7 +174,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
     def node_down() -> None:
         node = _node_of_task(run, 1)
         if _foreign_jobs_on(run, node):
-            pytest.skip(f"{node} also runs jobs of others: not failing it")
+            pytest.skip(reason=f"{node} also runs jobs of others: not failing it")
         t0 = time.time()
         cl.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=faults-test"])
         try:

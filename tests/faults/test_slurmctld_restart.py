@@ -52,9 +52,8 @@ def restart_slurmctld(cluster: SlurmCluster) -> None:
 
 def test_training_survives_a_slurmctld_restart(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     if slurm_cluster.mode == "external":
-        pytest.skip(
-            reason="restarts the controller: only on the local cluster of scripts/slurm-cluster"
-        )
+        why = "restarts the controller: only on the local cluster of scripts/slurm-cluster"
+        pytest.skip(reason=why)
     run = FaultRun(
         slurm_cluster,
         tmp_path / "run",

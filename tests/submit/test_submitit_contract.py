@@ -59,7 +59,7 @@ def test_make_sbatch_string_still_takes_what_we_pass() -> None:
 @pytest.mark.parametrize("mode", ["elastic_array", "elastic"])
 def test_the_executor_renders_what_our_dry_run_renders(tmp_path: Path, mode: str) -> None:
     if shutil.which("srun") is None:
-        pytest.skip("submitit's SlurmExecutor needs srun on PATH")
+        pytest.skip(reason="submitit's SlurmExecutor needs srun on PATH")
     request = build_request(
         {"nnodes": "1:3", "partition": "low", "output_dir": str(tmp_path)},
         entrypoint="train.py",
