@@ -51,6 +51,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from slurm_elastic import events, notice
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.live import control
+from slurm_elastic.rendezvous.protocols import RoundReporting
+from slurm_elastic.rendezvous.torch_compat import dynamic_handler_round
 
 __all__ = ["SlurmElasticAgent"]
 
@@ -59,12 +61,9 @@ log = logging.getLogger(__name__)
 
 def _round_of(handler: RendezvousHandler) -> int:
     """The rendezvous round just joined, the same number on every node."""
-    value = getattr(handler, "_round", None)  # ours: the round next_rendezvous returned
-    if isinstance(value, int):
-        return value
-    holder = getattr(handler, "_state_holder", None)  # torch's DynamicRendezvousHandler
-    state = getattr(holder, "state", None)
-    return int(getattr(state, "round", 0))
+    if isinstance(handler, RoundReporting) and handler.current_round is not None:
+        return handler.current_round
+    return dynamic_handler_round(handler) or 0  # torch's c10d / etcd handlers
 
 
 class SlurmElasticAgent(LocalElasticAgent):

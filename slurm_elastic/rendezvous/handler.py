@@ -403,6 +403,11 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                 waiting = max(waiting, 1)
         return waiting
 
+    @property
+    def current_round(self) -> int | None:
+        """The round the last ``next_rendezvous()`` returned (see ``RoundReporting``)."""
+        return self._round
+
     def leave(self) -> None:
         """Remove this node from the rendezvous at once, without closing the run.
 

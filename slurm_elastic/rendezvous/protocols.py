@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["LeavableRendezvous"]
+__all__ = ["LeavableRendezvous", "RoundReporting"]
 
 
 @runtime_checkable
@@ -24,4 +24,18 @@ class LeavableRendezvous(Protocol):
 
     def leave(self) -> None:
         """Leave the run without closing it."""
+        ...
+
+
+@runtime_checkable
+class RoundReporting(Protocol):
+    """A rendezvous that says which round ``next_rendezvous()`` last returned.
+
+    The number is the same on every node of the round; in-place workers use it to tell a
+    new assignment from a stale one. ``None`` before the first round.
+    """
+
+    @property
+    def current_round(self) -> int | None:
+        """The round last joined, or ``None``."""
         ...

@@ -70,6 +70,7 @@ __all__ = [
     "_RendezvousState",
     "_remove_participant_epilogue",
     "check_torch_version",
+    "dynamic_handler_round",
 ]
 
 #: Supported torch versions: ``(lowest, first unsupported)`` as (major, minor).
@@ -95,6 +96,17 @@ STATE_PICKLE_GLOBALS = frozenset(
 
 class UnsupportedTorchError(SlurmElasticError, ImportError):
     """The installed torch is outside the range this rendezvous was verified with."""
+
+
+def dynamic_handler_round(handler: object) -> int | None:
+    """The round held by torch's ``DynamicRendezvousHandler`` (c10d, etcd), else ``None``.
+
+    Reads the private state holder: the one place outside torch that does.
+    """
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    value = getattr(state, "round", None)
+    return value if isinstance(value, int) else None
 
 
 def check_torch_version(version: str) -> tuple[int, int]:
