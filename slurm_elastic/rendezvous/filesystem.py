@@ -422,6 +422,19 @@ class SafeDir:
         except FileNotFoundError:
             return False
 
+    def claim(self, name: str) -> bool:
+        """Create the empty directory ``name`` (``0700``) exclusively: one ``mkdir``.
+
+        Returns:
+            True when this call created it; False when it existed already.
+        """
+        FS_OPS.add("mkdir")
+        try:
+            os.mkdir(name, 0o700, dir_fd=self.fd)
+            return True
+        except FileExistsError:
+            return False
+
     def listdir(self) -> list[str]:
         """Return the names in this directory."""
         FS_OPS.add("listdir")

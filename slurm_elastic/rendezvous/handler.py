@@ -55,7 +55,7 @@ from slurm_elastic.rendezvous.executor import (
     PollingOpExecutor,
     ReformJoinOp,
 )
-from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
+from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
 from slurm_elastic.rendezvous.join_intents import (
     IntentBoard,
 )
@@ -274,6 +274,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             for node in dead:  # a dead node's intent must not bring it back
                 board.withdraw(IntentBoard.name(node))
             if not changed:
+                self._forget_heartbeats(dead)
                 return
             if removed_participant:
                 _remove_participant_epilogue(state, self._settings)
@@ -287,7 +288,20 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                     self._monitor.window_s,
                 )
                 events.emit(events.RendezvousEvicted(nodes=[repr(n) for n in dead]))
+                self._forget_heartbeats(dead)
                 return
+
+    def _forget_heartbeats(self, dead: list[_NodeDesc]) -> None:
+        """Remove the heartbeat files of evicted nodes (``hb/`` stays bounded).
+
+        A node evicted while alive (a long stall) writes its file again on its next
+        beat, and joins again.
+        """
+        for node in dead:
+            try:
+                self._epoch.hb.remove(node_file_name(repr(node)))
+            except OSError as exc:
+                log.debug("could not remove the heartbeat file of %r: %s", node, exc)
 
     # -- the rendezvous -------------------------------------------------------------------
 

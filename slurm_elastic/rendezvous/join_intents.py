@@ -81,9 +81,30 @@ class IntentBoard:
 
     def pending(self, members: set[str]) -> list[str]:
         """The names of posted intents whose node is not in ``members`` (sorted)."""
-        return sorted(
-            n for n in self._dir.listdir() if not n.startswith(".tmp") and n not in members
-        )
+        return sorted(n for n in self._dir.listdir() if not n.startswith(".") and n not in members)
+
+    @staticmethod
+    def _claim_name(generation: int) -> str:
+        return f".merge.{generation}"
+
+    def claim(self, generation: int) -> bool:
+        """Claim the merge of the intents pending at state ``generation`` (one ``mkdir``).
+
+        Exactly one caller per generation wins; the others wait for the merge instead
+        of listing the directory (N pending nodes each listing N intents is O(N^2)).
+        """
+        return self._dir.claim(self._claim_name(generation))
+
+    def release_claims(self, below: int) -> None:
+        """Remove the merge claims of generations older than ``below`` (one listing)."""
+        for name in self._dir.listdir():
+            if name.startswith(".merge."):
+                try:
+                    old = int(name[7:])
+                except ValueError:
+                    continue
+                if old < below:
+                    self._dir.rmdir(name)
 
     def read(self, name: str) -> _NodeDesc | None:
         """The node of intent ``name``, or None when missing or malformed."""

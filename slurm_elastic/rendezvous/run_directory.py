@@ -9,7 +9,7 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
           head, seg.<k>/state.<n>  the rendezvous state (see backend.py)
           hb/<node>             heartbeat counters (see heartbeat.py)
           intents/<node>        join intents (see join_intents.py)
-          keys/<incarnation>    one empty file per job incarnation that took part
+          keys/<incarnation>    one empty file per job allocation that took part
           store                 JSON: the current round's worker-store address
 
 **Requeue safety.** Two identities come from Slurm (:class:`Incarnation`):
@@ -57,6 +57,7 @@ __all__ = ["Epoch", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_comp
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
+_SLURM_KEY = re.compile(r"^(\d+)\.(\d+)$")
 
 
 def safe_component(value: str) -> str:
@@ -80,6 +81,9 @@ class Incarnation:
     generation: str
     key: str
     job: dict[str, Any] | None = field(default=None, compare=False)
+    #: Whether the key can recur (a later agent of the same allocation): only then is
+    #: it worth recording. A derived local key is unique to one process.
+    recorded: bool = field(default=True, compare=False)
 
     @classmethod
     def from_environ(
@@ -98,6 +102,7 @@ class Incarnation:
 
         env = SlurmEnv.from_environ(environ)
         job: dict[str, Any] | None = None
+        recorded = True
         if env.in_slurm:
             own = f"{env.job_id}.{env.restart_count}"
             derived_gen = f"array-{env.array_job_id}" if env.array_job_id else f"job-{own}"
@@ -110,7 +115,8 @@ class Incarnation:
         else:
             derived_gen = "local"
             derived_key = f"local-{uuid.uuid4().hex}"
-        return cls(generation or derived_gen, key or derived_key, job)
+            recorded = key is not None
+        return cls(generation or derived_gen, key or derived_key, job, recorded)
 
 
 class RunIdInUseError(RendezvousSetupError):
@@ -176,8 +182,26 @@ class Epoch:
         return meta
 
     def register_key(self, key: str) -> None:
-        """Record that incarnation ``key`` takes part in this epoch."""
-        self.keys.touch(safe_component(key))
+        """Record that incarnation ``key`` takes part in this epoch.
+
+        The ``keys`` directory stays bounded over churn: a key is one file per job
+        allocation (all its agents share it, so re-registering is a no-op), and a Slurm
+        key ``<job_id>.<restart>`` replaces the keys of the same job's earlier restarts
+        (that allocation is gone: no agent of it can start again).
+        """
+        name = safe_component(key)
+        self.keys.touch(name)
+        mine = _SLURM_KEY.match(name)
+        if mine is None:
+            return
+        for other in self.keys.listdir():
+            theirs = _SLURM_KEY.match(other)
+            if (
+                theirs is not None
+                and theirs.group(1) == mine.group(1)
+                and int(theirs.group(2)) < int(mine.group(2))
+            ):
+                self.keys.remove(other)
 
     def has_key(self, key: str) -> bool:
         """Whether incarnation ``key`` took part in this epoch."""
@@ -396,7 +420,8 @@ class RunDirectory:
                 )
                 self._create(epoch.number + 1, incarnation)
                 continue
-            epoch.register_key(incarnation.key)
+            if incarnation.recorded:
+                epoch.register_key(incarnation.key)
             return epoch
         raise RendezvousStateError(
             f"could not settle on a rendezvous epoch in {str(self.path)!r}; check that no "

@@ -159,7 +159,32 @@ def run_soak(
     result = check(logs)
     result["kills"] = kills
     result["agents_started"] = serial
+    result["dirs"] = directory_sizes(root / "soak")
     return result
+
+
+def directory_sizes(run_dir: Path) -> dict[str, int]:
+    """The largest entry counts of the run's epoch directories (they must stay bounded).
+
+    ``keys``/``hb``/``intents``: files; ``segments``: state segment directories;
+    ``merge_claims``: ``.merge.*`` claims; ``tmp``: ``.tmp.*`` leftovers (a writer
+    SIGKILLed between writing and publishing); ``epochs``: epoch directories.
+    """
+    sizes = dict.fromkeys(("epochs", "keys", "hb", "intents", "segments", "merge_claims", "tmp"), 0)
+    epochs = [p for p in run_dir.glob("epoch.*") if p.is_dir()]
+    sizes["epochs"] = len(epochs)
+    for epoch in epochs:
+        for sub in ("keys", "hb", "intents"):
+            names = [p.name for p in (epoch / sub).iterdir()]
+            sizes[sub] = max(sizes[sub], len([n for n in names if not n.startswith(".")]))
+            if sub == "intents":
+                claims = len([n for n in names if n.startswith(".merge.")])
+                sizes["merge_claims"] = max(sizes["merge_claims"], claims)
+        segs = [p for p in epoch.iterdir() if p.name.startswith("seg.")]
+        sizes["segments"] = max(sizes["segments"], len(segs))
+        tmp = [p for p in epoch.rglob(".tmp.*")]
+        sizes["tmp"] = max(sizes["tmp"], len(tmp))
+    return sizes
 
 
 def _records(logs: Path) -> dict[str, list[dict[str, Any]]]:
