@@ -454,6 +454,26 @@ def simulate_formation(work: Path, n: int) -> dict[str, Any]:
     }
 
 
+def _table(lines: list[dict[str, Any]]) -> None:
+    """Print the summary table of the cases in ``lines``."""
+    fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    print()
+    print(f"{'case':<40} {'ours':>9} {'baseline':>9} {'ratio':>7} {'target':>7}  ok")
+    for r in lines:
+        print(
+            f"{r['case']:<40} {fmt(r['ours']):>9} {fmt(r['baseline']):>9} "
+            f"{fmt(r['ratio']):>7} {fmt(r['target']):>7}  {'yes' if r['ok'] else 'NO'}"
+        )
+    formation_rows = [r for r in lines if r["case"].startswith("formation/")]
+    if formation_rows:
+        print("\nformation detail (s):  N  slurm  c10d-tcp  c10d-file  etcd-v2")
+        for r in formation_rows:
+            print(
+                f"  {r['case'][12:]:>4} {fmt(r['ours']):>6} {fmt(r['c10d_tcp']):>9} "
+                f"{fmt(r['c10d_file']):>10} {fmt(r['etcd_v2']):>8}"
+            )
+
+
 # -- driver --------------------------------------------------------------------------------
 
 OURS_DEFAULTS: dict[str, Any] = {}
@@ -507,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=seconds, problems=res["problems"], dirs=res["dirs"],
             )  # fmt: skip
             if args.soak:
+                _table(lines)
                 return 0
         sim_sizes = [int(x) for x in args.sim_sizes.split(",")] if args.sim_sizes else (
             [8, 256, 1024] if args.quick else [8, 256, 1024, 4096]
@@ -598,22 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         backends.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    print()
-    print(f"{'case':<40} {'ours':>9} {'baseline':>9} {'ratio':>7} {'target':>7}  ok")
-    for r in lines:
-        fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
-        print(
-            f"{r['case']:<40} {fmt(r['ours']):>9} {fmt(r['baseline']):>9} "
-            f"{fmt(r['ratio']):>7} {fmt(r['target']):>7}  {'yes' if r['ok'] else 'NO'}"
-        )
-    formation_rows = [r for r in lines if r["case"].startswith("formation/")]
-    if formation_rows:
-        print("\nformation detail (s):  N  slurm  c10d-tcp  c10d-file  etcd-v2")
-        for r in formation_rows:
-            print(
-                f"  {r['case'][12:]:>4} {fmt(r['ours']):>6} {fmt(r['c10d_tcp']):>9} "
-                f"{fmt(r['c10d_file']):>10} {fmt(r['etcd_v2']):>8}"
-            )
+    _table(lines)
     return 0
 
 

@@ -11,7 +11,11 @@ state, and every round it completed (rank, world size, members, store address).
 
 * **no fork**: a token always names the same state digest, in every log;
 * **no lost update**: every generation was won by exactly one write, whose base was
-  the generation just before it (so writes form one chain from the first);
+  the generation just before it (so writes form one chain from the first). A writer
+  SIGKILLed after winning but before logging its win is accounted for by its ``try``
+  record (logged before every attempt): a generation without a logged winner must
+  match an unfinished attempt from the generation before it, of the state every
+  reader of that generation saw;
 * **agreement**: all members of a round report the same world size, members and
   workers' store address, with distinct ranks ``0..world-1``.
 
@@ -28,6 +32,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -75,10 +80,16 @@ def _agent(root: str, run_id: str, log_path: str, stop_at: float, seed: int, n_m
             return cur
 
         def set_state(self, state: bytes, token: Any = None) -> Any:
+            # Logged before the attempt too: a writer SIGKILLed between winning and
+            # logging its win still shows what it tried (see check()).
+            th = threading.get_native_id()
+            emit(ev="try", th=th, base=token, mine=_digest(state))
             res = super().set_state(state, token)
             if res is not None:
-                emit(ev="set", base=token, tok=res[1], ok=res[2], d=_digest(res[0]),
+                emit(ev="set", th=th, base=token, tok=res[1], ok=res[2], d=_digest(res[0]),
                      mine=_digest(state))  # fmt: skip
+            else:
+                emit(ev="set", th=th, base=token, tok=None, ok=False, d=None, mine=None)
             return res
 
     run_directory.FileRendezvousBackend = Logged  # type: ignore[misc]
@@ -200,6 +211,20 @@ def _records(logs: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def _unfinished_attempts(records: dict[str, list[dict[str, Any]]]) -> list[tuple[int, str]]:
+    """``(base, digest)`` of every write attempt whose thread logged no result after it."""
+    out = []
+    for recs in records.values():
+        open_try: dict[Any, dict[str, Any]] = {}
+        for r in recs:
+            if r["ev"] == "try":
+                open_try[r.get("th")] = r
+            elif r["ev"] == "set":
+                open_try.pop(r.get("th"), None)
+        out += [(r["base"] or 0, r["mine"]) for r in open_try.values()]
+    return out
+
+
 def check(logs: Path) -> dict[str, Any]:
     """Check the agents' logs for one linear history; return a summary with problems."""
     problems: list[str] = []
@@ -211,7 +236,7 @@ def check(logs: Path) -> dict[str, Any]:
         for r in recs:
             if r["ev"] == "get":
                 by_token[r["tok"]].add(r["d"])
-            elif r["ev"] == "set":
+            elif r["ev"] == "set" and r["tok"] is not None:
                 by_token[r["tok"]].add(r["d"])
                 if r["ok"]:
                     wins[r["tok"]].append(r)
@@ -223,6 +248,7 @@ def check(logs: Path) -> dict[str, Any]:
                 errors.append(f"{name}: {r['error']}")
                 if not r.get("late"):
                     problems.append(f"{name}: agent failed during the soak: {r['error']}")
+    unfinished = _unfinished_attempts(_records(logs))
     forks = {t: ds for t, ds in by_token.items() if len(ds) > 1}
     if forks:
         problems.append(f"fork: tokens with several states: {sorted(forks)[:5]}")
@@ -232,10 +258,18 @@ def check(logs: Path) -> dict[str, Any]:
         for w in ws:
             if (w["base"] or 0) != tok - 1:
                 problems.append(f"generation {tok} won from base {w['base']}")
+    killed_mid_write = 0
     if wins:
         missing = set(range(1, max(wins) + 1)) - set(wins)
-        if missing:
-            problems.append(f"generations with no recorded winner: {sorted(missing)[:5]}")
+        unexplained = []
+        for tok in sorted(missing):
+            seen = by_token.get(tok, set())
+            if any(base == tok - 1 and (not seen or seen == {mine}) for base, mine in unfinished):
+                killed_mid_write += 1
+            else:
+                unexplained.append(tok)
+        if unexplained:
+            problems.append(f"generations with no recorded winner: {unexplained[:5]}")
     for rnd, reports in rounds.items():
         worlds = {r["world"] for r in reports}
         stores = {r["store"] for r in reports}
@@ -249,6 +283,7 @@ def check(logs: Path) -> dict[str, Any]:
         "transitions": len(wins),
         "reads_checked": sum(len(v) for v in by_token.values()),
         "rounds": len(rounds),
+        "killed_mid_write": killed_mid_write,
         "linear": not problems,
         "problems": problems[:20],
         "agent_errors": errors[:10],
