@@ -525,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                 bool(res["linear"] and res["transitions"] >= want), "transitions",
                 rounds=res["rounds"], kills=res["kills"], agents=res["agents_started"],
                 seconds=seconds, problems=res["problems"], dirs=res["dirs"],
+                reads_checked=res["reads_checked"], killed_mid_write=res["killed_mid_write"],
             )  # fmt: skip
             if args.soak:
                 _table(lines)

@@ -5,13 +5,17 @@ compare-and-set. When N nodes arrive at once, all but one lose each attempt, re-
 and retry: the metadata operations per node grow with N (measured 1.9-2.4x from N=8 to
 N=32). Here a node that must be *added* (to the participants, the wait list or the
 redundancy list: torch decides which) instead posts an intent file
-``intents/<node>`` (one ``open``) and waits. The pending node with the smallest name
-merges every pending intent into the state with **one** compare-and-set, deciding for
-each node exactly what torch's join would decide for it
+``intents/<node>`` (one ``open``) and claims the merge at the state's current
+generation with one exclusive ``mkdir`` of ``intents/.merge.<generation>``. The one
+winner lists the pending intents and merges them all into the state with **one**
+compare-and-set, deciding for each node exactly what torch's join would decide for it
 (:class:`_RendezvousJoinOp` on that node's context) and applying it with torch's own
-handlers. Merged nodes see themselves in the state and withdraw their intent (one
-``unlink``). A designated merger that dies is replaced: a node pending for longer than
-the takeover delay merges too (a compare-and-set race at worst, never a fork).
+handlers; the losers only poll ``head`` (nobody else lists the directory: N nodes
+each listing N names made a formation O(N^2) in CPU). Merged nodes see themselves in
+the state and withdraw their intent (one ``unlink``). Nodes still pending after a
+merge claim the next generation. A claimant that dies is replaced: a node pending for
+longer than the takeover delay merges too (a compare-and-set race at worst, never a
+fork). Each winner removes the claims of older generations.
 
 Everything else (exit, marking the round complete, eviction, close) still goes through
 torch's per-node operations; they are one per round, not one per arriving node.
