@@ -18,8 +18,9 @@ The hooks, by consumer:
 
 * ``backend.py``: ``_RendezvousState`` (unpickled from the state files) and the
   classes its pickle names (:data:`STATE_PICKLE_GLOBALS`).
-* ``handler.py``: ``_BackendRendezvousStateHolder`` (overrides ``_sanitize``; reads
-  ``_token``, ``_last_sync_time``, ``_state``), ``_DistributedRendezvousOpExecutor``
+* ``handler.py``/``executor.py``: ``_BackendRendezvousStateHolder`` (overrides
+  ``_sanitize`` and ``sync``, same contract; uses ``_backend``, ``_cache_duration``,
+  ``_dirty``, ``_token``, ``_last_sync_time``, ``_state``), ``_DistributedRendezvousOpExecutor``
   (overrides ``run``/``_record``; calls its ``_add_to_participants`` … handlers and
   reads ``_state``/``_node``/``_settings``), ``_RendezvousJoinOp`` (decides on a
   context whose ``state.deadline`` we substitute), ``_RendezvousExitOp``,

@@ -131,7 +131,11 @@ def test_state_holder_hooks() -> None:
         "self", "backend", "settings", "cache_duration",
     ]  # fmt: skip
     holder = tc._BackendRendezvousStateHolder(_MemoryBackend(), _settings(), 0)
-    for attr in ("_token", "_last_sync_time", "_state", "_dirty", "_dead_nodes"):
+    # CounterStateHolder.sync replaces torch's and uses these attributes too.
+    for attr in (
+        "_token", "_last_sync_time", "_state", "_dirty", "_dead_nodes", "_backend",
+        "_cache_duration",
+    ):  # fmt: skip
         assert hasattr(holder, attr), attr
     for method in ("sync", "mark_dirty", "_sanitize"):
         assert callable(getattr(holder, method)), method
@@ -140,6 +144,31 @@ def test_state_holder_hooks() -> None:
     assert holder.sync() is True and holder._token == 1  # our token property reads it
     holder._last_sync_time = -1  # our invalidate() writes it
     assert holder.sync() is None and holder.state.round == 4
+
+
+def test_our_state_holder_syncs_like_torchs() -> None:
+    """CounterStateHolder.sync (decoding through our cache) keeps torch's contract."""
+    from slurm_elastic.rendezvous.executor import CounterStateHolder
+
+    outcomes = []
+    for cls in (tc._BackendRendezvousStateHolder, CounterStateHolder):
+        backend = _MemoryBackend()
+        a, b = cls(backend, _settings(), 0), cls(backend, _settings(), 0)
+        trace: list[object] = [a.sync(), a._token, a.state.round]  # no state yet
+        a.state.round = 4
+        a.mark_dirty()
+        trace += [a.sync(), a._token, a.state.round]  # a write wins
+        b.state.round = 9
+        b.mark_dirty()
+        trace += [b.sync(), b._token, b.state.round]  # a stale write loses, gets a's
+        b.state.round = 5
+        b.mark_dirty()
+        trace += [b.sync(), a.sync(), a._token, a.state.round]  # then wins; a reads it
+        a.state.round = 99  # a local mutation not written: the next read replaces it
+        trace += [a.sync(), a.state.round]
+        outcomes.append(trace)
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1] == [None, None, 0, True, 1, 4, False, 1, 4, True, None, 2, 5, None, 5]
 
 
 def test_op_executor_hooks() -> None:
