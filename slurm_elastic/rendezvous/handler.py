@@ -146,8 +146,8 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             options.poll_interval_s,
             min(options.reform_grace_s, options.last_call_timeout_s),
             IntentBoard(epoch.intents),
-            # A pending node merges the intents itself once the designated merger
-            # could have been declared dead (it may have died after posting).
+            # A pending node merges the intents itself once the claimant of the merge
+            # could have been declared dead (it may have died after claiming).
             takeover_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
         )
         self._reform_grace = timedelta(
