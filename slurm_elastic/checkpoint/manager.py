@@ -2,8 +2,8 @@
 
 It composes three parts: the torch-free :class:`~slurm_elastic.checkpoint.store.CheckpointStore`
 (temporary names, commit, listing, retention, verification: the only code touching the
-directory), the :mod:`~slurm_elastic.checkpoint.serializer` (``torch.save`` with inline
-CRC32) and the :class:`~slurm_elastic.checkpoint.saver.AsyncSaver` (host staging plus one
+directory), the :mod:`~slurm_elastic.checkpoint.serializer` (our pickle-free container,
+``torch.save`` as the fallback; CRC32 computed while writing) and the :class:`~slurm_elastic.checkpoint.saver.AsyncSaver` (host staging plus one
 background writer). Crash points for tests: :mod:`slurm_elastic.checkpoint._faults`.
 """
 
@@ -13,7 +13,7 @@ import builtins
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,8 +155,11 @@ class CheckpointManager:
         """Save ``state`` as checkpoint ``step``.
 
         Blocking: serialize the live state, commit, apply retention, return the path.
-        Non-blocking: wait for any save still in flight (at most one), copy the state to
-        host memory, return ``None`` and write in the background; :meth:`flush` waits.
+        Non-blocking: wait for any save still in flight (at most one), start copying the
+        state to host memory in the background and return ``None``; the copy is guarded
+        (the next ``optimizer.step()`` waits for it, a module's forward pass first copies
+        its buffers; see :meth:`wait_staged`), then it is written in the background;
+        :meth:`flush` waits for the write.
 
         Args:
             state: a tree of dicts/lists/tensors/plain values (e.g. a training bundle).
@@ -182,13 +185,25 @@ class CheckpointManager:
         if self.rank != 0:
             return None
         if blocking:
-            return self._write(state, step, meta, time.perf_counter(), 0.0)
+            return self._write(state, step, meta, time.perf_counter(), None)
         start = time.perf_counter()
         stall = self._saver.submit(
-            state, lambda staged, stall: self._write(staged, step, meta, start, stall)
+            state, lambda staged, ready: self._write(staged, step, meta, start, ready)
         )
-        log.debug("checkpoint step %d staged in %.3f s; writing in the background", step, stall)
+        log.debug("checkpoint step %d: staging started in %.4f s", step, stall)
         return None
+
+    def wait_staged(self) -> None:
+        """Wait until the in-flight async save has copied the state (not for the write).
+
+        An async save copies tensors in the background after :meth:`save` returns; the
+        next ``optimizer.step()`` and each module's forward pass wait for (or make) the
+        copies they would otherwise change. Call this before changing state tensors in
+        place any other way (e.g. ``param.copy_(...)``, a hand-written update); otherwise
+        that save fails with :class:`~slurm_elastic.checkpoint.staging.StagingConflict`
+        rather than commit a mixed copy.
+        """
+        self._saver.wait_staged()
 
     def flush(self, timeout: float | None = None) -> Path | None:
         """Wait until no save is in flight (what the preemption path calls).
@@ -219,12 +234,20 @@ class CheckpointManager:
             self._saver.close()
 
     def _write(
-        self, state: Any, step: int, metadata: dict[str, Any], start: float, stall: float
+        self,
+        state: Any,
+        step: int,
+        metadata: dict[str, Any],
+        start: float,
+        ready: Callable[[], float] | None,
     ) -> Path:
         store = self.store
         tmp = store.directory / "(not created)"
         action = "create checkpoint directory"
+        stall = 0.0
         try:
+            if ready is not None:
+                stall = ready()  # the staged copies have landed, unchanged
             tmp = store.begin(step)
             _faults.point("after_mkdir")
             action = "write checkpoint data"
@@ -245,6 +268,7 @@ class CheckpointManager:
             events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=str(exc)))
             raise CheckpointWriteError(message) from exc
         except CheckpointWriteError as exc:
+            log.error("%s", exc)
             store.discard(tmp)
             events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=str(exc)))
             raise
@@ -330,11 +354,12 @@ class CheckpointManager:
         return loaded
 
     def load(self, step: int, map_location: Any = "cpu", *, mmap: bool = False) -> LoadedCheckpoint:
-        """Load checkpoint ``step``; every byte is verified before ``torch.load`` reads it.
+        """Load checkpoint ``step``; every byte is verified before anything is parsed.
 
         The checkpoint directory, the manifest and the data file must be owned by this user
-        and not writable by others. The CRC32 pass reads the file once (the CRC overlapped
-        with the next read); ``torch.load`` then reads it from the page cache.
+        and not writable by others. A ``state.bin`` file is read once into memory (or
+        mapped, with ``mmap``) with its CRC32 computed alongside; only a match is parsed.
+        A ``state.pt`` file (``torch.save``) is CRCed first, then ``torch.load`` reads it.
 
         Raises:
             CheckpointCorruptError: missing, incomplete or damaged.
@@ -343,13 +368,16 @@ class CheckpointManager:
         """
         path = self.store.step_path(step)
         start = time.perf_counter()
-        manifest = self.store.verify(step, deep=True)  # before torch reads any of it
-        if manifest.kind != "replicated":
+        # owner, mode and size of everything; read_state checks every CRC32 before parsing
+        manifest = self.store.verify(step, deep=False)
+        if manifest.kind != "replicated" or len(manifest.files) != 1:
             raise CheckpointError(
                 f"checkpoint {path} is {manifest.kind!r}; load it with "
                 "slurm_elastic.checkpoint.sharded.load_sharded"
             )
-        state = read_state(path, map_location, weights_only=self.weights_only, mmap=mmap)
+        state = read_state(
+            path, manifest.files[0], map_location, weights_only=self.weights_only, mmap=mmap
+        )
         seconds = time.perf_counter() - start
         log.info("checkpoint step %d loaded from %s", step, path)
         events.emit(events.CheckpointLoaded(step=step, path=str(path), seconds=seconds))

@@ -1,9 +1,11 @@
 """The async saver: stage a state into host memory, write it on one background thread.
 
-At most one save is in flight. :meth:`AsyncSaver.submit` first waits for the previous one
-(surfacing its error), then stages (the only part the training loop waits for), then hands
-the staged copy to the writer thread. The thread is not a daemon: a process that exits
-normally finishes its save.
+At most one save is in flight (the caller flushes the previous one first).
+:meth:`AsyncSaver.submit` starts staging (:mod:`~slurm_elastic.checkpoint.staging`: the
+tree walk is synchronous, the tensor copies run in the background behind guards) and hands
+the staged copy to the writer thread, which waits for the copies, checks that no tensor
+changed meanwhile, then writes. The thread is not a daemon: a process that exits normally
+finishes its save.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from slurm_elastic.checkpoint.staging import HostStager
+from slurm_elastic.checkpoint.staging import HostStager, StagingRound, remove_idle_guards, retire
 from slurm_elastic.errors import CheckpointError
 
 __all__ = ["AsyncSaver", "CheckpointFlushTimeout"]
@@ -33,21 +35,43 @@ class AsyncSaver:
         self._stager = HostStager()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Path] | None = None
+        self._round: StagingRound | None = None
         self._lock = threading.Lock()
 
-    def submit(self, state: Any, write: Callable[[Any, float], Path]) -> float:
-        """Stage ``state`` and run ``write(staged, stall_seconds)`` in the background.
+    def submit(self, state: Any, write: Callable[[Any, Callable[[], float]], Path]) -> float:
+        """Start staging ``state``; run ``write(staged, ready)`` in the background.
 
-        The caller must have flushed the previous save. Returns the stall in seconds.
+        ``write`` must call ``ready()`` before it reads ``staged``: it waits for the copies,
+        raises :class:`~slurm_elastic.checkpoint.staging.StagingConflict` if a tensor
+        changed meanwhile, and returns the seconds the training loop was blocked (this
+        call plus the time spent in guards). The caller must have flushed the previous
+        save. Returns this call's duration in seconds.
         """
         start = time.perf_counter()
-        staged = self._stager.stage(state)
+        staged, round_ = self._stager.begin(state)
         stall = time.perf_counter() - start
+
+        def ready() -> float:
+            try:
+                round_.wait()
+            finally:
+                retire(round_)
+            round_.check()
+            return stall + round_.guard_seconds
+
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-            self._pending = self._executor.submit(write, staged, stall)
+            self._round = round_
+            self._pending = self._executor.submit(write, staged, ready)
         return stall
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight save's copies have landed (the explicit guard)."""
+        with self._lock:
+            round_ = self._round
+        if round_ is not None:
+            round_.wait()
 
     def flush(self, timeout: float | None, what: str) -> None:
         """Wait for the in-flight save; re-raise its error once.
@@ -58,6 +82,7 @@ class AsyncSaver:
         with self._lock:
             pending = self._pending
         if pending is None:
+            remove_idle_guards()
             return
         try:
             pending.result(timeout=timeout)
@@ -70,6 +95,9 @@ class AsyncSaver:
             with self._lock:
                 if self._pending is pending and pending.done():
                     self._pending = None
+                    self._round = None
+            if pending.done():
+                remove_idle_guards()
 
     @property
     def in_flight(self) -> bool:

@@ -1,13 +1,22 @@
-"""The serializer: a state tree to one ``torch.save`` file with its CRC32, and back.
+"""The serializer: a state tree to one data file with its CRC32, and back.
 
-Writing computes the CRC32 inline while ``torch.save`` streams into an unbuffered file
-(one pass over the bytes) and fsyncs the file. Reading verifies the file against its
-manifest record before ``torch.load`` sees any of it. Directory handling (names, commit,
-listing) belongs to :mod:`slurm_elastic.checkpoint.store`.
+Two formats, told apart by the file name the manifest records:
+
+* ``state.bin`` (:data:`STATE_FILE`, the default): our pickle-free container
+  (:mod:`slurm_elastic.checkpoint.container`): a JSON header and the tensors' raw bytes,
+  written straight from the tensors' memory with the CRC32 computed on a second thread.
+  Loading cannot run code whatever ``weights_only`` says.
+* ``state.pt`` (:data:`TORCH_FILE`): one ``torch.save`` file, CRC32 computed inline.
+  Written only for states holding values the container does not store (any other Python
+  object); read for those and for checkpoints written by earlier versions. Verified
+  against its manifest record before ``torch.load`` sees any of it.
+
+Directory handling (names, commit, listing) belongs to :mod:`slurm_elastic.checkpoint.store`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import zlib
@@ -20,13 +29,17 @@ from typing import Any
 import torch
 
 from slurm_elastic.checkpoint import _faults
-from slurm_elastic.checkpoint.manifest import FileRecord
+from slurm_elastic.checkpoint.container import Unsupported, encode, read_container, write_container
+from slurm_elastic.checkpoint.manifest import FileRecord, crc32_file
 from slurm_elastic.checkpoint.staging import state_nbytes
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
-__all__ = ["STATE_FILE", "ChecksumWriter", "read_state", "write_state"]
+__all__ = ["STATE_FILE", "TORCH_FILE", "ChecksumWriter", "read_state", "write_state"]
 
-STATE_FILE = "state.pt"
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.bin"
+TORCH_FILE = "state.pt"
 
 
 _OVERLAP_BYTES = 1 << 20
@@ -114,7 +127,10 @@ def _without_zip_crc() -> Iterator[None]:
 
 
 def write_state(state: Any, directory: Path) -> FileRecord:
-    """Serialize ``state`` into ``directory/state.pt`` durably; return its record.
+    """Serialize ``state`` into ``directory`` durably (one data file); return its record.
+
+    The container format (``state.bin``) when the state holds only tensors, containers and
+    plain values; otherwise ``torch.save`` (``state.pt``).
 
     Raises:
         OSError: the write or the fsync failed (the caller names the path and the fix).
@@ -129,7 +145,20 @@ def write_state(state: Any, directory: Path) -> FileRecord:
             mid_called = True
             _faults.point("mid_data")
 
-    writer = ChecksumWriter(directory / STATE_FILE, on_bytes)
+    try:
+        encoded: tuple[bytes, list[torch.Tensor]] | None = encode(state)
+    except Unsupported as exc:
+        log.debug("state holds %s; writing it with torch.save", exc)
+        encoded = None
+    if encoded is None:
+        return _torch_save(state, directory, on_bytes)
+    lead, tensors = encoded
+    size, crc = write_container(directory / STATE_FILE, lead, tensors, on_bytes)
+    return FileRecord(STATE_FILE, size, crc)
+
+
+def _torch_save(state: Any, directory: Path, on_bytes: Callable[[int], None]) -> FileRecord:
+    writer = ChecksumWriter(directory / TORCH_FILE, on_bytes)
     try:
         try:
             with _without_zip_crc():
@@ -146,20 +175,45 @@ def write_state(state: Any, directory: Path) -> FileRecord:
         writer.sync_and_close()
     finally:
         writer.close()
-    return FileRecord(STATE_FILE, writer.size, writer.crc)
+    return FileRecord(TORCH_FILE, writer.size, writer.crc)
 
 
-def read_state(directory: Path, map_location: Any, *, weights_only: bool, mmap: bool) -> Any:
-    """``torch.load`` the state file of a checkpoint the store has already verified.
+def read_state(
+    directory: Path, record: FileRecord, map_location: Any, *, weights_only: bool, mmap: bool
+) -> Any:
+    """Load the data file ``record`` of a checkpoint whose trust and sizes the store checked.
+
+    Every byte is checked against the record's CRC32 before anything is parsed: the
+    container verifies while it reads (one pass); a ``torch.save`` file is CRCed first,
+    then ``torch.load`` reads it from the page cache.
 
     Raises:
-        CheckpointError: it needs ``weights_only=False`` (never skipped silently: that
-            would restart training from scratch).
-        CheckpointCorruptError: it verified but ``torch.load`` failed.
+        CheckpointError: a ``torch.save`` file needs ``weights_only=False`` (never skipped
+            silently: that would restart training from scratch).
+        CheckpointCorruptError: a CRC32/size mismatch, or it verified but cannot be read.
     """
-    path = directory / STATE_FILE
+    path = directory / record.name
+    if record.name == STATE_FILE:
+        return read_container(
+            path,
+            expected_size=record.bytes,
+            expected_crc=record.crc32,
+            map_location=map_location,
+            use_mmap=mmap,
+        )
+    if record.name != TORCH_FILE:
+        raise CheckpointCorruptError(f"checkpoint {directory} has no state file ({record.name})")
     try:
-        # The store checked owner, mode, size and CRC32 of every file before this load.
+        size, crc = crc32_file(path)
+    except OSError as exc:
+        raise CheckpointCorruptError(f"checkpoint file {path} is unreadable ({exc})") from exc
+    if (size, crc) != (record.bytes, record.crc32):
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} fails its size/CRC32 check ({size} bytes, {crc:#010x}; "
+            f"manifest: {record.bytes} bytes, {record.crc32:#010x})"
+        )
+    try:
+        # verified just above (and the store checked owner and mode)
         options = {"map_location": map_location, "weights_only": weights_only, "mmap": mmap}
         return torch.load(path, **options)  # verified
     except Exception as exc:

@@ -62,7 +62,11 @@ def main() -> None:
     state = state_for(2)
     manager.save(state, 2, blocking=(mode != "async"))
     if mode == "async":
-        state["w"].add_(1.0)  # training goes on while the write is in flight
+        # training goes on while the write is in flight: an optimizer step changes the
+        # saved tensor in place (its guard first waits for the staging copy)
+        param = torch.nn.Parameter(state["w"])
+        param.grad = torch.ones_like(param)
+        torch.optim.SGD([param], lr=1.0).step()
         manager.flush()
 
 

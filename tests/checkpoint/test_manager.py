@@ -77,7 +77,7 @@ def test_retention_never_deletes_the_checkpoint_just_written_when_newer_ones_are
 ) -> None:
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(state_for(10), 10)
-    (tmp_path / "step_10" / "state.pt").write_bytes(b"garbage")  # newest is now damaged
+    (tmp_path / "step_10" / "state.bin").write_bytes(b"garbage")  # newest is now damaged
     mgr.save(state_for(5), 5)  # resumed from an older one and saved again
     assert {i.step for i in mgr.list_checkpoints()} == {5, 10}  # 10 kept (newer), never loaded
     loaded = mgr.load_latest()
@@ -123,7 +123,7 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(
     mgr.save(state_for(1), 1)
     mgr.save(state_for(2), 2)
     newest = tmp_path / "step_2"
-    data = newest / "state.pt"
+    data = newest / "state.bin"
     if damage == "truncate":
         os.truncate(data, data.stat().st_size // 2)
     elif damage == "flip":
@@ -308,6 +308,7 @@ def test_second_async_save_waits_for_the_first(
     commits = [p for p in order if p == "after_commit"]
     assert len(commits) == 2
     # The whole first write path ran before the second began: at most one in flight.
-    assert order.index("after_commit") < order.index("after_mkdir", 1)
+    mkdirs = [i for i, point in enumerate(order) if point == "after_mkdir"]
+    assert order.index("after_commit") < mkdirs[1]
     assert [i.step for i in mgr.list_checkpoints()] == [1, 2]
     mgr.close()

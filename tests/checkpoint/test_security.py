@@ -74,7 +74,7 @@ def test_checkpoint_directories_and_files_are_private_whatever_the_umask(tmp_pat
     assert modes == {
         Path("ckpt"): 0o700,
         Path("ckpt/step_1"): 0o700,
-        Path("ckpt/step_1/state.pt"): 0o600,
+        Path("ckpt/step_1/state.bin"): 0o600,
         Path("ckpt/step_1/manifest.json"): 0o600,
     }
 
@@ -91,7 +91,7 @@ def test_load_refuses_a_directory_owned_by_another_user(
         CheckpointManager(tmp_path / "ckpt").save({"w": torch.ones(4)}, 2)
 
 
-@pytest.mark.parametrize("target", ["ckpt", "ckpt/step_1", "ckpt/step_1/state.pt"])
+@pytest.mark.parametrize("target", ["ckpt", "ckpt/step_1", "ckpt/step_1/state.bin"])
 def test_load_refuses_paths_writable_by_others(tmp_path: Path, target: str) -> None:
     mgr = CheckpointManager(tmp_path / "ckpt")
     mgr.save({"w": torch.ones(4)}, 1)

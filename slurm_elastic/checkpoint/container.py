@@ -1,0 +1,448 @@
+"""Our tensor container format (``state.bin``): a JSON header, then raw tensor bytes.
+
+No pickle anywhere: a checkpoint in this format can hold tensors, containers and plain
+values, nothing that could run code when read. Layout::
+
+    0   8 bytes   magic b"SLECKPT1"
+    8   8 bytes   header length H (little-endian unsigned)
+    16  H bytes   header: UTF-8 JSON {"tree": ..., "tensors": [...], "data_start": D}
+    ..  zeros     up to D (a multiple of 4096)
+    D   ...       tensor bytes; tensor i at D + tensors[i]["offset"] (64-byte aligned),
+                  C-contiguous, little-endian as in memory
+
+The tree is JSON in which a plain list is a ``list`` and every other container is a tagged
+one-key object, so no two Python values share an encoding (``1`` vs ``"1"`` keys, tuples vs
+lists, dicts with non-``str`` keys)::
+
+    {"T": i}  tensor i          {"t": [...]}  tuple       {"d": [[k, v], ...]}  dict
+    {"o": [[k, v], ...]}  OrderedDict                      {"S": [...]}  torch.Size
+    {"b": "<base64>"}  bytes    {"c": [re, im]}  complex   {"y": "float32"}  torch.dtype
+    {"v": "cuda:0"}  torch.device
+
+``None``, ``bool``, ``int``, ``float`` (NaN/inf included) and ``str`` are themselves.
+Anything else raises :class:`Unsupported` (the serializer then falls back to
+``torch.save``). Tensors that are the same view of the same memory are stored once (tied
+weights stay tied); other storage sharing is not preserved (each view is stored
+contiguous).
+
+Writing: the segments (header, padding, each tensor's memory as it is, no copy) go out
+with ``os.writev`` in large batches while a second thread computes the CRC32 of the same
+segments in file order (``zlib.crc32`` and ``writev`` release the GIL), then one fsync.
+Reading: the whole file is read into one buffer (or mapped) while a second thread CRCs
+what has arrived; only when the CRC and size match the manifest record is the header
+parsed; every tensor then has its own storage inside that buffer (no copy), which the
+buffer outlives.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import mmap
+import os
+import stat
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slurm_elastic.errors import CheckpointCorruptError
+
+__all__ = ["MAGIC", "Unsupported", "encode", "read_container", "write_container"]
+
+MAGIC = b"SLECKPT1"
+_PREFIX = struct.Struct("<8sQ")
+_PAGE = 4096
+_ALIGN = 64
+_BATCH_BYTES = 64 << 20  # per writev call (and the granularity of the mid-write hook)
+_IOV_MAX = 512
+_READ_CHUNK = 16 << 20
+_MAX_HEADER = 1 << 30
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class Unsupported(TypeError):
+    """The state holds a value this format does not store (the caller uses torch.save)."""
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []  # flat uint8 views of the data
+        self.records: list[dict[str, Any]] = []
+        self._ids: dict[tuple[Any, ...], int] = {}
+        self.offset = 0
+
+    def tensor(self, t: torch.Tensor, where: str) -> int:
+        if type(t) not in _PLAIN_TENSOR_TYPES or t.layout != torch.strided:
+            raise Unsupported(f"{where}: a {type(t).__name__} with layout {t.layout}")
+        if t.is_quantized or t.dtype not in _DTYPES.values() or t.device.type == "meta":
+            raise Unsupported(f"{where}: a tensor of dtype {t.dtype} on {t.device}")
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if t.data_ptr() != 0 and key in self._ids:
+            return self._ids[key]
+        device = str(t.device)
+        data = t.detach()
+        if data.is_conj() or data.is_neg():
+            data = data.resolve_conj().resolve_neg()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        if not data.is_contiguous():
+            data = data.contiguous()
+        nbytes = data.numel() * data.element_size()
+        try:
+            raw = data.reshape(-1).view(torch.uint8)
+        except RuntimeError as exc:
+            raise Unsupported(f"{where}: a tensor of dtype {t.dtype} ({exc})") from exc
+        self.offset = _align(self.offset, _ALIGN)
+        self.records.append(
+            {
+                "dtype": str(data.dtype).removeprefix("torch."),
+                "shape": list(data.shape),
+                "offset": self.offset,
+                "nbytes": nbytes,
+                "device": device,
+            }
+        )
+        self.tensors.append(raw)
+        self.offset += nbytes
+        index = len(self.records) - 1
+        if t.data_ptr() != 0:
+            self._ids[key] = index
+        return index
+
+    def tree(self, obj: Any, where: str) -> Any:
+        kind = type(obj)
+        if obj is None or kind in (bool, int, str, float):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return {"T": self.tensor(obj, where)}
+        if kind is list:
+            return [self.tree(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        if kind is tuple:
+            return {"t": [self.tree(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+        if kind is dict or kind is OrderedDict:
+            items = [
+                [self.tree(k, f"{where} key"), self.tree(v, f"{where}[{k!r}]")]
+                for k, v in obj.items()
+            ]
+            return {"d" if kind is dict else "o": items}
+        if kind is torch.Size:
+            return {"S": list(obj)}
+        if kind is bytes:
+            return {"b": base64.b64encode(obj).decode()}
+        if kind is complex:
+            return {"c": [obj.real, obj.imag]}
+        if kind is torch.dtype:
+            return {"y": str(obj).removeprefix("torch.")}
+        if kind is torch.device:
+            return {"v": str(obj)}
+        raise Unsupported(f"{where}: a {kind.__module__}.{kind.__qualname__}")
+
+
+def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Return the file's leading bytes (prefix, header, padding) and the tensor bytes
+    after them (flat ``uint8`` views of the tensors' memory, no copy for CPU tensors).
+
+    Raises:
+        Unsupported: ``state`` holds a value this format does not store.
+    """
+    enc = _Encoder()
+    tree = enc.tree(state, "state")
+    body: dict[str, Any] = {"tree": tree, "tensors": enc.records, "data_start": 0}
+    # data_start depends on the header's length, which depends on data_start's digits
+    for _ in range(3):
+        text = json.dumps(body, separators=(",", ":")).encode()
+        start = _align(_PREFIX.size + len(text), _PAGE)
+        if body["data_start"] == start:
+            break
+        body["data_start"] = start
+    text = json.dumps(body, separators=(",", ":")).encode()
+    lead = _PREFIX.pack(MAGIC, len(text)) + text
+    return lead + bytes(body["data_start"] - len(lead)), enc.tensors
+
+
+def _segments(lead: bytes, tensors: list[torch.Tensor]) -> list[memoryview]:
+    views = [memoryview(lead)]
+    pos = len(lead)
+    for t in tensors:
+        nbytes = t.numel()
+        if nbytes == 0:
+            continue
+        start = len(lead) + _align(pos - len(lead), _ALIGN)
+        if start > pos:
+            views.append(memoryview(bytes(start - pos)))
+        views.append(_memory_of(t))
+        pos = start + nbytes
+    return views
+
+
+def _memory_of(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory (no copy; ``t`` must outlive it)."""
+    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def _writev_all(fd: int, segments: list[memoryview], on_bytes: Callable[[int], None]) -> int:
+    """Write ``segments`` in order with few large ``writev`` calls; return the bytes."""
+    total = 0
+    batch: list[memoryview] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal batch, size, total
+        while batch:
+            n = os.writev(fd, batch)
+            total += n
+            while batch and n >= len(batch[0]):
+                n -= len(batch[0])
+                batch.pop(0)
+            if batch and n:
+                batch[0] = batch[0][n:]
+        size = 0
+        on_bytes(total)
+
+    for seg in segments:
+        for a in range(0, max(1, len(seg)), _BATCH_BYTES):
+            piece = seg[a : a + _BATCH_BYTES]
+            batch.append(piece)
+            size += len(piece)
+            if size >= _BATCH_BYTES or len(batch) >= _IOV_MAX:
+                flush()
+    flush()
+    return total
+
+
+def write_container(
+    path: Path, lead: bytes, tensors: list[torch.Tensor], on_bytes: Callable[[int], None]
+) -> tuple[int, int]:
+    """Write an encoded state to a new file ``path``, fsync it; return ``(size, crc32)``.
+
+    The CRC32 is computed on a second thread over the same memory, in file order, while
+    this thread writes. ``on_bytes(total)`` is called after each large write.
+
+    Raises:
+        OSError: the write or the fsync failed.
+    """
+    segments = _segments(lead, tensors)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc") as pool:
+            crc_future = pool.submit(_crc_all, segments)
+            try:
+                size = _writev_all(fd, segments, on_bytes)
+            finally:
+                crc = crc_future.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, crc
+
+
+def _crc_all(segments: list[memoryview]) -> int:
+    crc = 0
+    for seg in segments:
+        crc = zlib.crc32(seg, crc)
+    return crc
+
+
+# ---------------------------------------------------------------------------- read
+
+
+def _open_checked(path: Path, expected_size: int) -> tuple[int, int]:
+    """Open ``path`` (no links), check it is our private regular file of the recorded size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise CheckpointCorruptError(f"checkpoint file {path} changed while being opened")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CheckpointCorruptError(f"checkpoint file {path} became writable by others")
+        if st.st_size != expected_size:
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} has {st.st_size} bytes, manifest says "
+                f"{expected_size} (truncated or overwritten)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    """Read the file into ``view`` (its size) with the CRC32 overlapped on a second thread."""
+    size = len(view)
+    with suppress(OSError):
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+    crc_lock = threading.Lock()
+    crc = 0
+
+    def update(piece: memoryview) -> None:
+        nonlocal crc
+        with crc_lock:
+            crc = zlib.crc32(piece, crc)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc") as pool:
+        pos = 0
+        last = None
+        while pos < size:
+            piece = view[pos : pos + _READ_CHUNK]
+            n = os.preadv(fd, [piece], pos)
+            if n == 0:
+                raise CheckpointCorruptError(f"checkpoint file shrank while read ({pos} of {size})")
+            last = pool.submit(update, view[pos : pos + n])  # one worker: CRCs in order
+            pos += n
+        if last is not None:
+            last.result()
+    return crc
+
+
+def _crc_mapping(mm: mmap.mmap, size: int) -> int:
+    """CRC32 of a mapping, read ahead by the kernel while this thread computes."""
+    with suppress(OSError, AttributeError):
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    view = memoryview(mm)
+    try:
+        crc = 0
+        for start in range(0, size, _READ_CHUNK):
+            ahead = start + _READ_CHUNK
+            if ahead < size:
+                with suppress(OSError, AttributeError):
+                    mm.madvise(mmap.MADV_WILLNEED, ahead, min(_READ_CHUNK, size - ahead))
+            crc = zlib.crc32(view[start : start + _READ_CHUNK], crc)
+    finally:
+        view.release()
+    return crc
+
+
+def read_container(
+    path: Path, *, expected_size: int, expected_crc: int, map_location: Any, use_mmap: bool
+) -> Any:
+    """Read, verify (size and CRC32 against the manifest record), then parse ``path``.
+
+    Nothing of the file is parsed before every byte matched the CRC32. With ``use_mmap``
+    the tensors are copy-on-write views of a private mapping of the file (the file is
+    never changed through them); otherwise of one buffer the file was read into.
+
+    Raises:
+        CheckpointCorruptError: a size or CRC32 mismatch, or a header that cannot be
+            parsed (the message names ``path``).
+    """
+    fd, size = _open_checked(path, expected_size)
+    try:
+        buf: Any
+        if use_mmap and size > 0:
+            buf = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            crc = _crc_mapping(buf, size)
+        else:
+            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            crc = _read_into(fd, memoryview(buf).cast("B")) if size else 0
+    finally:
+        os.close(fd)
+    if crc != expected_crc:
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} fails its CRC32 check ({crc:#010x} != "
+            f"{expected_crc:#010x}; flipped bytes)"
+        )
+    try:
+        return _parse(buf, _location(map_location))
+    except CheckpointCorruptError:
+        raise
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} verified but its header cannot be parsed "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _location(map_location: Any) -> Callable[[str], str]:
+    if map_location is None:
+        return lambda saved: saved  # where it was saved from, as torch.load does
+    if isinstance(map_location, (str, torch.device)):
+        target = str(map_location)
+        return lambda saved: target
+    if isinstance(map_location, dict):
+        table = {str(k): str(v) for k, v in map_location.items()}
+        return lambda saved: table.get(saved, saved)
+    raise CheckpointCorruptError(
+        f"map_location={map_location!r} is not supported for this checkpoint format; "
+        "pass a device (e.g. 'cpu', 'cuda:0') or a dict of device names"
+    )
+
+
+def _parse(buf: Any, location: Callable[[str], str]) -> Any:
+    view = memoryview(buf).cast("B")
+    size = len(view)
+    magic, hlen = _PREFIX.unpack(bytes(view[: _PREFIX.size]))
+    if magic != MAGIC or not 0 < hlen <= min(_MAX_HEADER, size - _PREFIX.size):
+        raise CheckpointCorruptError(f"not a slurm_elastic state file (magic {magic!r})")
+    header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + hlen]))
+    view.release()
+    start = header["data_start"]
+    if type(start) is not int or not _PREFIX.size + hlen <= start <= size:
+        raise CheckpointCorruptError(f"bad data_start {start!r}")
+    tensors = []
+    for rec in header["tensors"]:
+        dtype = _DTYPES[rec["dtype"]]
+        shape = [int(s) for s in rec["shape"]]
+        offset, nbytes = rec["offset"], rec["nbytes"]
+        numel = 1
+        for s in shape:
+            if s < 0:
+                raise CheckpointCorruptError(f"bad shape {shape}")
+            numel *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if nbytes != numel * itemsize or offset % _ALIGN or start + offset + nbytes > size:
+            raise CheckpointCorruptError(f"bad tensor record {rec}")
+        if nbytes == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:  # its own storage (offset 0) inside buf; it keeps buf alive
+            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=start + offset)
+            t = t.view(shape)
+        device = location(str(rec["device"]))
+        if device != "cpu":
+            t = t.to(device)
+        tensors.append(t)
+    return _decode(header["tree"], tensors)
+
+
+def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if node is None or type(node) in (bool, int, str, float):
+        return node
+    if type(node) is list:
+        return [_decode(v, tensors) for v in node]
+    if type(node) is not dict or len(node) != 1:
+        raise CheckpointCorruptError(f"bad tree node {node!r:.80}")
+    ((tag, value),) = node.items()
+    if tag == "T":
+        return tensors[value]
+    if tag == "t":
+        return tuple(_decode(v, tensors) for v in value)
+    if tag in ("d", "o"):
+        pairs = ((_decode(k, tensors), _decode(v, tensors)) for k, v in value)
+        return dict(pairs) if tag == "d" else OrderedDict(pairs)
+    if tag == "S":
+        return torch.Size(int(v) for v in value)
+    if tag == "b":
+        return base64.b64decode(value, validate=True)
+    if tag == "c":
+        return complex(float(value[0]), float(value[1]))
+    if tag == "y":
+        return _DTYPES[value]
+    if tag == "v":
+        return torch.device(value)
+    raise CheckpointCorruptError(f"unknown tree tag {tag!r}")
