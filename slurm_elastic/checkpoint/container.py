@@ -233,24 +233,34 @@ def write_container(
     """Write an encoded state to a new file ``path``, fsync it; return ``(size, crc32)``.
 
     The CRC32 is computed on a second thread over the same memory, in file order, while
-    this thread writes. ``on_bytes(total)`` is called after each large write.
+    this thread writes and fsyncs. ``on_bytes(total)`` is called after each large write.
 
     Raises:
         OSError: the write or the fsync failed.
     """
     segments = _segments(lead, tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    crc_future = _crc_thread().submit(_crc_all, segments)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc") as pool:
-            crc_future = pool.submit(_crc_all, segments)
-            try:
-                size = _writev_all(fd, segments, on_bytes)
-            finally:
-                crc = crc_future.result()
+        size = _writev_all(fd, segments, on_bytes)
         os.fsync(fd)
     finally:
         os.close(fd)
+        crc = crc_future.result()  # never leave the thread reading freed memory
     return size, crc
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _crc_thread() -> ThreadPoolExecutor:
+    """The CRC helper thread, started once per process (a forked child starts its own)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc"))
+        return _pool[1]
 
 
 def _crc_all(segments: list[memoryview]) -> int:
@@ -288,26 +298,26 @@ def _read_into(fd: int, view: memoryview) -> int:
     size = len(view)
     with suppress(OSError):
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
-    crc_lock = threading.Lock()
+    chunk = min(_READ_CHUNK, max(1 << 20, size // 8))
     crc = 0
 
     def update(piece: memoryview) -> None:
         nonlocal crc
-        with crc_lock:
-            crc = zlib.crc32(piece, crc)
+        crc = zlib.crc32(piece, crc)  # one worker thread: runs in submission order
 
-    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc") as pool:
-        pos = 0
-        last = None
+    pool = _crc_thread()
+    pos = 0
+    futures = []
+    try:
         while pos < size:
-            piece = view[pos : pos + _READ_CHUNK]
-            n = os.preadv(fd, [piece], pos)
+            n = os.preadv(fd, [view[pos : pos + chunk]], pos)
             if n == 0:
                 raise CheckpointCorruptError(f"checkpoint file shrank while read ({pos} of {size})")
-            last = pool.submit(update, view[pos : pos + n])  # one worker: CRCs in order
+            futures.append(pool.submit(update, view[pos : pos + n]))
             pos += n
-        if last is not None:
-            last.result()
+    finally:
+        for future in futures:
+            future.result()
     return crc
 
 
@@ -350,6 +360,8 @@ def read_container(
             crc = _crc_mapping(buf, size)
         else:
             buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            with suppress(OSError, AttributeError):
+                buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults while reading into it
             crc = _read_into(fd, memoryview(buf).cast("B")) if size else 0
     finally:
         os.close(fd)
