@@ -8,16 +8,22 @@ Cases per state size (default 8, 64, 1024 MiB; ``--quick``: 8 and 32 MiB):
                          Target: throughput ratio >= 0.9.
 * ``save_vs_raw``        our blocking save vs a raw sequential write + fsync of the same
                          bytes (the disk's limit). Target >= 0.8.
-* ``async_stall``        time the training loop is blocked by an async save (staging into
-                         reused host buffers, copied in parallel) vs a blocking save.
-                         Target: ratio <= 0.05.
-* ``load_vs_raw``        our verified load (owner/mode checks, CRC32 of every byte before
-                         ``torch.load`` reads it, CRC overlapped with the next read, then
-                         ``torch.load`` from the page cache) vs a raw sequential read of the
-                         same file, both from a cold page cache (``posix_fadvise(DONTNEED)``).
+* ``async_stall``        time the training loop is blocked by an async save vs a blocking
+                         save of the same state. The state is a real model's (16 bias-free
+                         ``Linear`` layers of the given total size, SGD); one loop
+                         iteration is ``save(blocking=False)`` then a forward/backward pass
+                         on a batch of ``--batch`` samples and ``optimizer.step()``. Blocked
+                         = the ``save()`` call plus the time the staging guards held the
+                         loop (the step waiting for the background copy, a forward pass
+                         copying buffers first), as counted by the manager
+                         (``last_stall_seconds``). Target: ratio <= 0.05.
+* ``load_vs_raw``        our verified load (owner/mode checks; the file read once into
+                         memory with its CRC32 computed alongside; parsed only if it
+                         matches) vs a raw sequential read of the same file into a reused
+                         buffer, both from a cold page cache (``posix_fadvise(DONTNEED)``).
                          Target >= 0.8.
-* ``load_mmap_vs_raw``   the same with ``load(..., mmap=True)``: tensors map the verified
-                         pages instead of copying them. Target >= 0.8.
+* ``load_mmap_vs_raw``   the same with ``load(..., mmap=True)``: the CRC pass reads a
+                         private mapping of the file, tensors are views of it. Target >= 0.8.
 
 Fairness: every timed operation starts after ``os.sync()`` (no dirty pages or pending
 journal commits from the previous case), and removing what a case wrote happens outside
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -50,11 +57,14 @@ from slurm_elastic.checkpoint import CheckpointManager
 MiB = 1 << 20
 
 
-def make_state(nbytes: int, device: str) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    parts = 16
-    numel = nbytes // 4 // parts
-    return {f"layer{i}.weight": torch.randn(numel, generator=gen).to(device) for i in range(parts)}
+def make_model(nbytes: int, device: str) -> torch.nn.Module:
+    """16 bias-free ``Linear(n, n)`` layers holding ``nbytes`` of float32 parameters."""
+    torch.manual_seed(0)
+    layers = 16
+    n = max(8, round(math.sqrt(nbytes / 4 / layers)))
+    return torch.nn.Sequential(*[torch.nn.Linear(n, n, bias=False) for _ in range(layers)]).to(
+        device
+    )
 
 
 def drop_cache(path: Path) -> None:
@@ -127,8 +137,11 @@ def interleaved(
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def run_size(nbytes: int, root: Path, repeat: int, device: str) -> list[dict[str, object]]:
-    state = make_state(nbytes, device)
+def run_size(
+    nbytes: int, root: Path, repeat: int, device: str, batch: int
+) -> list[dict[str, object]]:
+    model = make_model(nbytes, device)
+    state = model.state_dict()
     size_mib = sum(t.numel() * t.element_size() for t in state.values()) / MiB
     d = root / f"size{int(size_mib)}"
     d.mkdir(parents=True)
@@ -166,27 +179,46 @@ def run_size(nbytes: int, root: Path, repeat: int, device: str) -> list[dict[str
         )
         rows.append(("save_vs_raw", size_mib / t["ours"], size_mib / t["raw"], ">=", 0.8, "MiB/s"))
 
-    # Async stall: the first async save allocates the staging buffers; measure steady state.
-    step[0] += 1
-    mgr.save(state, step[0], blocking=False)
-    mgr.flush()
+    # Async stall inside a training loop. The first async save allocates the staging
+    # buffers (and pinned memory on CUDA): measure the steady state.
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    x = torch.randn(batch, model[0].in_features, device=device)
+
+    def train_step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    def async_iteration() -> float:
+        step[0] += 1
+        mgr.save(model.state_dict(), step[0], blocking=False)
+        train_step()
+        mgr.flush()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return mgr.last_stall_seconds or 0.0
+
+    async_iteration()
     cleanup()
-    stalls, blocking = [], []
+    stalls, blocking, steps = [], [], []
     for _ in range(repeat):
         step[0] += 1
-        blocking.append(timed(lambda: mgr.save(state, step[0])))
+        blocking.append(timed(lambda: mgr.save(model.state_dict(), step[0])))
         cleanup()
-        step[0] += 1
-        stalls.append(timed(lambda: mgr.save(state, step[0], blocking=False)))
-        mgr.flush()
+        steps.append(timed(train_step))
+        os.sync()
+        stalls.append(async_iteration())
         cleanup()
     rows.append(
         ("async_stall", statistics.median(stalls), statistics.median(blocking), "<=", 0.05, "s")
     )
+    step_s = statistics.median(steps)
 
     if device == "cpu":
         latest = mgr.list_checkpoints()[-1]
-        state_file = latest.path / "state.pt"
+        if latest.manifest is None:
+            raise RuntimeError(f"{latest.path} has no readable manifest")
+        state_file = latest.path / latest.manifest.files[0].name
 
         def drop() -> None:
             drop_cache(latest.path)
@@ -224,6 +256,11 @@ def run_size(nbytes: int, root: Path, repeat: int, device: str) -> list[dict[str
                 "ratio": round(ratio, 3),
                 "target": f"{op} {target}",
                 "ok": ok,
+                **(
+                    {"train_step_s": round(step_s, 4), "batch": batch}
+                    if case == "async_stall"
+                    else {}
+                ),
             }
         )
     return out
@@ -235,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="small sizes (8, 32 MiB), < 3 minutes")
     ap.add_argument("--sizes-mib", type=int, nargs="*", help="override state sizes")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory to write into (default: a temp dir)")
     ap.add_argument(
         "--device",
@@ -244,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         help="where the state lives; cuda measures pinned device-to-host staging",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument(
+        "--batch", type=int, default=16, help="samples per training step in the stall case"
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -258,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for size in sizes:
-            results.extend(run_size(size * MiB, root, args.repeat, args.device))
+            results.extend(run_size(size * MiB, root, args.repeat, args.device, args.batch))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(

@@ -26,10 +26,10 @@ weights stay tied); other storage sharing is not preserved (each view is stored
 contiguous).
 
 Writing: the segments (header, padding, each tensor's memory as it is, no copy) go out
-with ``os.writev`` in large batches while a second thread computes the CRC32 of the same
-segments in file order (``zlib.crc32`` and ``writev`` release the GIL), then one fsync.
-Reading: the whole file is read into one buffer (or mapped) while a second thread CRCs
-what has arrived; only when the CRC and size match the manifest record is the header
+with ``os.writev`` in large batches while a helper thread computes the CRC32 of the same
+memory in file order (``zlib.crc32`` and ``writev`` release the GIL), then one fsync.
+Reading: the whole file is read into one buffer (or mapped), the kernel reading ahead,
+while the helper thread CRCs what has arrived; only when the CRC and size match the manifest record is the header
 parsed; every tensor then has its own storage inside that buffer (no copy), which the
 buffer outlives.
 """
@@ -232,21 +232,22 @@ def write_container(
 ) -> tuple[int, int]:
     """Write an encoded state to a new file ``path``, fsync it; return ``(size, crc32)``.
 
-    The CRC32 is computed on a second thread over the same memory, in file order, while
-    this thread writes and fsyncs. ``on_bytes(total)`` is called after each large write.
+    A helper thread computes the CRC32 of the same memory, in file order, while this
+    thread writes (``writev``) and fsyncs: the checksum hides behind the I/O when a core
+    is free. ``on_bytes(total)`` is called after each large write.
 
     Raises:
         OSError: the write or the fsync failed.
     """
     segments = _segments(lead, tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    crc_future = _crc_thread().submit(_crc_all, segments)
+    crc_future = _helper_thread().submit(_crc_all, segments)
     try:
         size = _writev_all(fd, segments, on_bytes)
         os.fsync(fd)
     finally:
         os.close(fd)
-        crc = crc_future.result()  # never leave the thread reading freed memory
+        crc = crc_future.result()  # never leave the thread reading memory we may free
     return size, crc
 
 
@@ -254,7 +255,7 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
-def _crc_thread() -> ThreadPoolExecutor:
+def _helper_thread() -> ThreadPoolExecutor:
     """The CRC helper thread, started once per process (a forked child starts its own)."""
     global _pool
     with _pool_lock:
@@ -294,7 +295,12 @@ def _open_checked(path: Path, expected_size: int) -> tuple[int, int]:
 
 
 def _read_into(fd: int, view: memoryview) -> int:
-    """Read the file into ``view`` (its size) with the CRC32 overlapped on a second thread."""
+    """Read the file into ``view`` (its size); return its CRC32.
+
+    The kernel reads ahead (``POSIX_FADV_WILLNEED`` a window beyond the current chunk)
+    while this thread copies chunks in, and the helper thread CRCs each chunk that has
+    arrived (in order), so disk, copy and checksum overlap.
+    """
     size = len(view)
     with suppress(OSError):
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
@@ -303,13 +309,19 @@ def _read_into(fd: int, view: memoryview) -> int:
 
     def update(piece: memoryview) -> None:
         nonlocal crc
-        crc = zlib.crc32(piece, crc)  # one worker thread: runs in submission order
+        crc = zlib.crc32(piece, crc)  # one helper thread: runs in submission order
 
-    pool = _crc_thread()
-    pos = 0
+    pool = _helper_thread()
     futures = []
+    pos = 0
     try:
         while pos < size:
+            ahead = pos + chunk
+            if ahead < size:
+                with suppress(OSError):
+                    os.posix_fadvise(
+                        fd, ahead, min(2 * chunk, size - ahead), os.POSIX_FADV_WILLNEED
+                    )
             n = os.preadv(fd, [view[pos : pos + chunk]], pos)
             if n == 0:
                 raise CheckpointCorruptError(f"checkpoint file shrank while read ({pos} of {size})")

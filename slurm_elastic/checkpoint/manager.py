@@ -105,6 +105,9 @@ class CheckpointManager:
         self.weights_only = weights_only
         self._saver = AsyncSaver()
         self.last_saved: Path | None = None
+        #: seconds the training loop was blocked by the last committed save (blocking: the
+        #: whole save; async: the save() call plus time spent in the staging guards)
+        self.last_stall_seconds: float | None = None
 
     @property
     def directory(self) -> Path:
@@ -239,15 +242,15 @@ class CheckpointManager:
         step: int,
         metadata: dict[str, Any],
         start: float,
-        ready: Callable[[], float] | None,
+        ready: Callable[[], Callable[[], float]] | None,
     ) -> Path:
         store = self.store
         tmp = store.directory / "(not created)"
         action = "create checkpoint directory"
-        stall = 0.0
+        stall_of: Callable[[], float] | None = None
         try:
             if ready is not None:
-                stall = ready()  # the staged copies have landed, unchanged
+                stall_of = ready()  # the staged copies have landed, unchanged
             tmp = store.begin(step)
             _faults.point("after_mkdir")
             action = "write checkpoint data"
@@ -276,14 +279,16 @@ class CheckpointManager:
             store.discard(tmp)
             raise
         seconds = time.perf_counter() - start
+        stall = seconds if stall_of is None else stall_of()
         self.last_saved = final
+        self.last_stall_seconds = stall
         log.info(
             "checkpoint step %d saved: %s (%d bytes, %.2f s, stall %.3f s)",
             step,
             final,
             manifest.total_bytes,
             seconds,
-            stall or seconds,
+            stall,
         )
         events.emit(
             events.CheckpointSaved(
@@ -291,7 +296,7 @@ class CheckpointManager:
                 path=str(final),
                 bytes=manifest.total_bytes,
                 seconds=seconds,
-                stall_seconds=stall or seconds,
+                stall_seconds=stall,
             )
         )
         store.apply_retention(step)

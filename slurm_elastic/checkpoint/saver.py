@@ -38,26 +38,29 @@ class AsyncSaver:
         self._round: StagingRound | None = None
         self._lock = threading.Lock()
 
-    def submit(self, state: Any, write: Callable[[Any, Callable[[], float]], Path]) -> float:
+    def submit(
+        self, state: Any, write: Callable[[Any, Callable[[], Callable[[], float]]], Path]
+    ) -> float:
         """Start staging ``state``; run ``write(staged, ready)`` in the background.
 
         ``write`` must call ``ready()`` before it reads ``staged``: it waits for the copies,
         raises :class:`~slurm_elastic.checkpoint.staging.StagingConflict` if a tensor
-        changed meanwhile, and returns the seconds the training loop was blocked (this
-        call plus the time spent in guards). The caller must have flushed the previous
+        changed meanwhile, and returns a function giving the seconds the training loop
+        was blocked (this call plus the time spent in guards; read it after the write,
+        when every guard has finished counting). The caller must have flushed the previous
         save. Returns this call's duration in seconds.
         """
         start = time.perf_counter()
         staged, round_ = self._stager.begin(state)
         stall = time.perf_counter() - start
 
-        def ready() -> float:
+        def ready() -> Callable[[], float]:
             try:
                 round_.wait()
             finally:
                 retire(round_)
             round_.check()
-            return stall + round_.guard_seconds
+            return lambda: stall + round_.guard_seconds
 
         with self._lock:
             if self._executor is None:

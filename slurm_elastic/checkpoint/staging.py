@@ -91,11 +91,13 @@ def _describe(path: _Path) -> str:
 class _Entry:
     """One source tensor: its path, version at begin, chunks left to copy."""
 
-    __slots__ = ("chunks_left", "path", "src", "touched", "version", "version_after")
+    __slots__ = ("chunks_left", "cuda", "path", "ptr", "src", "touched", "version", "version_after")
 
-    def __init__(self, path: _Path, src: torch.Tensor, chunks: int) -> None:
+    def __init__(self, path: _Path, src: torch.Tensor, chunks: int, *, cuda: bool = False) -> None:
         self.path = path
         self.src = src
+        self.ptr = src.data_ptr()
+        self.cuda = cuda
         self.version = src._version
         self.version_after = self.version
         self.chunks_left = chunks
@@ -103,10 +105,14 @@ class _Entry:
 
 
 class _Job:
-    __slots__ = ("dst", "entry", "src", "state")
+    """Copies ``srcs`` into ``dsts``: one chunk of a large tensor, or several small ones."""
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, entry: _Entry) -> None:
-        self.dst, self.src, self.entry, self.state = dst, src, entry, _PENDING
+    __slots__ = ("dsts", "entries", "srcs", "state")
+
+    def __init__(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], entries: list[_Entry]
+    ) -> None:
+        self.dsts, self.srcs, self.entries, self.state = dsts, srcs, entries, _PENDING
 
 
 class StagingRound:
@@ -122,8 +128,9 @@ class StagingRound:
         self._error: BaseException | None = None
         self._by_ptr: dict[int, list[_Job]] = {}
         for job in jobs:
-            self._by_ptr.setdefault(job.entry.src.data_ptr(), []).append(job)
-        self._cuda_ptrs = {e.src.data_ptr() for e in entries if e.src.device.type == "cuda"}
+            for entry in job.entries:
+                self._by_ptr.setdefault(entry.ptr, []).append(job)
+        self._cuda_ptrs = {e.ptr for e in entries if e.cuda}
         self._cleared: set[int] = set()
         self._cuda_waited = False
         #: seconds the training loop spent blocked in guards (optimizer, forward, wait)
@@ -132,16 +139,20 @@ class StagingRound:
     # -------------------------------------------------------------- copying
     def _copy(self, job: _Job, touched: bool) -> None:
         try:
-            job.dst.copy_(job.src)
+            with torch.no_grad():
+                if len(job.dsts) == 1:
+                    job.dsts[0].copy_(job.srcs[0])
+                else:
+                    torch._foreach_copy_(job.dsts, job.srcs)  # one call, GIL released
         except BaseException as exc:  # surfaced by check(); never leave waiters hanging
             self._error = self._error or exc
         with self._cond:
             job.state = _DONE
-            entry = job.entry
-            entry.chunks_left -= 1
-            entry.touched |= touched
-            if entry.chunks_left == 0:
-                entry.version_after = entry.src._version
+            for entry in job.entries:
+                entry.chunks_left -= 1
+                entry.touched |= touched
+                if entry.chunks_left == 0:
+                    entry.version_after = entry.src._version
             self._left -= 1
             self._cond.notify_all()
 
@@ -229,7 +240,7 @@ class StagingRound:
         if self._error is not None:
             raise CheckpointWriteError(f"staging the checkpoint failed: {self._error}")
         for entry in self._entries:
-            if entry.touched or entry.src.device.type != "cpu":
+            if entry.touched or entry.cuda:
                 continue
             if entry.version_after != entry.version:
                 raise StagingConflict(
@@ -342,23 +353,35 @@ class HostStager:
         jobs: list[_Job] = []
         entries: list[_Entry] = []
         cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        group = _Job([], [], [])  # small tensors, copied together (one foreach call)
+        group_bytes = 0
         for path, buf, src in pairs:
-            if src.device.type == "cuda":
+            if src.is_cuda:
                 cuda.setdefault(src.device, []).append((buf, src))
-                entries.append(_Entry(path, src, 0))
+                entries.append(_Entry(path, src, 0, cuda=True))
                 continue
-            if not src.is_contiguous():
+            nbytes = src.nbytes
+            if nbytes <= _CHUNK_BYTES or not src.is_contiguous():
                 entry = _Entry(path, src, 1)
-                jobs.append(_Job(buf, src, entry))
+                group.dsts.append(buf)
+                group.srcs.append(src)
+                group.entries.append(entry)
+                group_bytes += nbytes
+                if group_bytes >= _CHUNK_BYTES:
+                    jobs.append(group)
+                    group, group_bytes = _Job([], [], []), 0
             else:
                 flat_buf, flat_src = buf.view(-1), src.view(-1)
                 step = max(1, _CHUNK_BYTES // max(1, src.element_size()))
                 starts = range(0, flat_src.numel(), step)
                 entry = _Entry(path, src, len(starts))
                 jobs.extend(
-                    _Job(flat_buf[a : a + step], flat_src[a : a + step], entry) for a in starts
+                    _Job([flat_buf[a : a + step]], [flat_src[a : a + step]], [entry])
+                    for a in starts
                 )
             entries.append(entry)
+        if group.dsts:
+            jobs.append(group)
         round_ = StagingRound(jobs, entries, self._enqueue_cuda(cuda))
         _activate(round_)
         if jobs:
@@ -366,8 +389,11 @@ class HostStager:
                 self._pool = ThreadPoolExecutor(
                     self._threads, thread_name_prefix="checkpoint-stage"
                 )
-            for _ in range(min(self._threads, len(jobs))):
-                self._pool.submit(round_.work)
+            try:
+                for _ in range(min(self._threads, len(jobs))):
+                    self._pool.submit(round_.work)
+            except RuntimeError:  # the interpreter is shutting down: copy here
+                round_.work()
         return staged, round_
 
     def _enqueue_cuda(self, cuda: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]]) -> list[Any]:
@@ -395,7 +421,7 @@ class HostStager:
     ) -> Any:
         if isinstance(obj, torch.Tensor):
             seen.add(path)
-            return self._stage_tensor(obj.detach(), path, pairs)
+            return self._stage_tensor(obj, path, pairs)
         if isinstance(obj, OrderedDict):
             return OrderedDict(
                 (k, self._stage(v, (*path, ("o", type(k), k)), seen, pairs)) for k, v in obj.items()
@@ -419,11 +445,13 @@ class HostStager:
         pairs: list[tuple[_Path, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         if tensor.layout != torch.strided:  # sparse & co: copied now (rare, small)
-            buf = tensor.to("cpu", copy=True)
+            buf = tensor.detach().to("cpu", copy=True)
             self._buffers[path] = buf
             return buf
-        buf = self._buffers.get(path)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+        cached = self._buffers.get(path)
+        if cached is not None and cached.shape == tensor.shape and cached.dtype == tensor.dtype:
+            buf = cached
+        else:
             pin = self._pin and tensor.device.type == "cuda"
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
