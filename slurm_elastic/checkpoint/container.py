@@ -27,7 +27,7 @@ contiguous).
 
 Writing: the segments (header, padding, each tensor's memory as it is, no copy) go out
 with ``os.writev`` in large batches while a helper thread computes the CRC32 of the same
-memory in file order (``zlib.crc32`` and ``writev`` release the GIL), then one fsync.
+memory in file order (the CRC32 and ``writev`` release the GIL); the commit fsyncs.
 Reading: the whole file is read into one buffer (or mapped), the kernel reading ahead,
 while the helper thread CRCs what has arrived; only when the CRC and size match the manifest record is the header
 parsed; every tensor then has its own storage inside that buffer (no copy), which the
@@ -44,7 +44,6 @@ import os
 import stat
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +53,7 @@ from typing import Any
 
 import torch
 
+from slurm_elastic.checkpoint.manifest import crc32
 from slurm_elastic.errors import CheckpointCorruptError
 
 __all__ = ["MAGIC", "Unsupported", "encode", "read_container", "write_container"]
@@ -230,21 +230,21 @@ def _writev_all(fd: int, segments: list[memoryview], on_bytes: Callable[[int], N
 def write_container(
     path: Path, lead: bytes, tensors: list[torch.Tensor], on_bytes: Callable[[int], None]
 ) -> tuple[int, int]:
-    """Write an encoded state to a new file ``path``, fsync it; return ``(size, crc32)``.
+    """Write an encoded state to a new file ``path``; return ``(size, crc32)``.
 
     A helper thread computes the CRC32 of the same memory, in file order, while this
-    thread writes (``writev``) and fsyncs: the checksum hides behind the I/O when a core
-    is free. ``on_bytes(total)`` is called after each large write.
+    thread writes (``writev``). Not fsynced here: the store's commit fsyncs it together
+    with the manifest and the directory. ``on_bytes(total)`` is called after each large
+    write.
 
     Raises:
-        OSError: the write or the fsync failed.
+        OSError: the write failed.
     """
     segments = _segments(lead, tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     crc_future = _helper_thread().submit(_crc_all, segments)
     try:
         size = _writev_all(fd, segments, on_bytes)
-        os.fsync(fd)
     finally:
         os.close(fd)
         crc = crc_future.result()  # never leave the thread reading memory we may free
@@ -267,7 +267,7 @@ def _helper_thread() -> ThreadPoolExecutor:
 def _crc_all(segments: list[memoryview]) -> int:
     crc = 0
     for seg in segments:
-        crc = zlib.crc32(seg, crc)
+        crc = crc32(seg, crc)
     return crc
 
 
@@ -309,7 +309,7 @@ def _read_into(fd: int, view: memoryview) -> int:
 
     def update(piece: memoryview) -> None:
         nonlocal crc
-        crc = zlib.crc32(piece, crc)  # one helper thread: runs in submission order
+        crc = crc32(piece, crc)  # one helper thread: runs in submission order
 
     pool = _helper_thread()
     futures = []
@@ -345,7 +345,7 @@ def _crc_mapping(mm: mmap.mmap, size: int) -> int:
             if ahead < size:
                 with suppress(OSError, AttributeError):
                     mm.madvise(mmap.MADV_WILLNEED, ahead, min(_READ_CHUNK, size - ahead))
-            crc = zlib.crc32(view[start : start + _READ_CHUNK], crc)
+            crc = crc32(view[start : start + _READ_CHUNK], crc)
     finally:
         view.release()
     return crc

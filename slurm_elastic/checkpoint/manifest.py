@@ -28,8 +28,9 @@ The manifest protects itself: ``manifest_crc32`` covers every other field, the t
 exactly the canonical form we wrote, and every field is type-checked, so any damage reads
 as :class:`~slurm_elastic.errors.CheckpointCorruptError` ("skip it"), never as a crash.
 
-CRC32 (``zlib.crc32``) was chosen over BLAKE2b because it runs at ~3 GB/s here against
-~0.6 GB/s, so it is computed inline while writing without lowering save bandwidth; it
+CRC32 was chosen over BLAKE2b because it is fast enough to compute while writing without
+lowering save bandwidth (:func:`crc32`: ISA-L's hardware-accelerated CRC32 from the
+``isal`` package, ~12 GB/s here, else ``zlib.crc32``, 1.3-3 GB/s; the same values); it
 detects truncation and bit flips, which is its job (it is not a defence against tampering:
 that is the ownership rule of :mod:`slurm_elastic.checkpoint.trust`).
 """
@@ -41,9 +42,11 @@ import mmap
 import os
 import re
 import stat
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,14 +58,28 @@ __all__ = [
     "MANIFEST_NAME",
     "FileRecord",
     "Manifest",
+    "crc32",
     "crc32_file",
     "fsync_dir",
     "parse_step_dir",
     "read_manifest",
     "step_dir_name",
+    "sync_checkpoint",
     "verify_checkpoint",
     "write_manifest",
 ]
+
+try:  # the same CRC32 as zlib's (same polynomial and values), computed with PCLMULQDQ
+    from isal.isal_zlib import crc32 as _fast_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
+    _fast_crc32 = zlib.crc32
+
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC32 of ``data`` continuing from ``value`` (``zlib.crc32``'s values; releases the
+    GIL on large buffers)."""
+    return _fast_crc32(data, value)
+
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2
@@ -238,19 +255,58 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write ``directory/manifest.json`` durably (tmp file, fsync, rename)."""
-    tmp = directory / (MANIFEST_NAME + ".tmp")
+def write_manifest(directory: Path, manifest: Manifest, *, sync: bool = True) -> None:
+    """Write ``directory/manifest.json`` (a new file in a private temporary directory).
+
+    ``sync``: fsync it (the commit instead fsyncs it together with the data files,
+    :func:`sync_checkpoint`).
+    """
     data = manifest.to_json().encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(directory / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_sync_pool: tuple[int, ThreadPoolExecutor] | None = None
+_sync_lock = threading.Lock()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+def sync_checkpoint(directory: Path, manifest: Manifest) -> None:
+    """fsync every data file of ``manifest``, the manifest and ``directory``, concurrently.
+
+    Issued together, the fsyncs share the filesystem's journal commits (on ext4 three
+    sequential fsyncs cost about twice as much as the data file's alone). Returns when
+    all are durable.
+
+    Raises:
+        OSError: the first fsync that failed.
+    """
+    global _sync_pool
+    paths = [directory / f.name for f in manifest.files]
+    paths += [directory / MANIFEST_NAME, directory]
+    with _sync_lock:
+        if _sync_pool is None or _sync_pool[0] != os.getpid():  # a forked child: its own
+            _sync_pool = (os.getpid(), ThreadPoolExecutor(4, thread_name_prefix="checkpoint-fsync"))
+        pool = _sync_pool[1]
+    futures = [pool.submit(_fsync_path, p) for p in paths]
+    errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def read_manifest(directory: Path) -> Manifest:
@@ -323,7 +379,7 @@ def crc32_file(path: Path, *, buffer: bytearray | None = None) -> tuple[int, int
                     if ahead < size:
                         with suppress(OSError, AttributeError):
                             mm.madvise(mmap.MADV_WILLNEED, ahead, min(_CHUNK, size - ahead))
-                    crc = zlib.crc32(view[start : start + _CHUNK], crc)
+                    crc = crc32(view[start : start + _CHUNK], crc)
             finally:
                 view.release()
     finally:

@@ -56,7 +56,7 @@ class AsyncSaver:
 
         def ready() -> Callable[[], float]:
             try:
-                round_.wait()
+                round_.wait(help_copy=False)  # the staging threads and the guards copy
             finally:
                 retire(round_)
             round_.check()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ import torch
 
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.container import Unsupported, encode, read_container, write_container
-from slurm_elastic.checkpoint.manifest import FileRecord, crc32_file
+from slurm_elastic.checkpoint.manifest import FileRecord, crc32, crc32_file
 from slurm_elastic.checkpoint.staging import state_nbytes
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
@@ -49,7 +48,7 @@ class ChecksumWriter:
     """A write-only file object that CRCs what it writes; handed to ``torch.save``.
 
     For large writes (tensor storages) the CRC runs in this thread while a helper thread
-    writes the same bytes (``zlib.crc32`` and ``os.write`` both release the GIL), so the
+    writes the same bytes (the CRC32 and ``os.write`` both release the GIL), so the
     checksum costs no extra wall time when the disk is the limit.
     """
 
@@ -74,10 +73,10 @@ class ChecksumWriter:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
                 written = self._pool.submit(self._write_all, view)
-                self.crc = zlib.crc32(view, self.crc)
+                self.crc = crc32(view, self.crc)
                 written.result()
             else:
-                self.crc = zlib.crc32(view, self.crc)
+                self.crc = crc32(view, self.crc)
                 self._write_all(view)
         except OSError as exc:
             self.error = exc  # torch may wrap it; keep the original for the message
@@ -127,7 +126,10 @@ def _without_zip_crc() -> Iterator[None]:
 
 
 def write_state(state: Any, directory: Path) -> FileRecord:
-    """Serialize ``state`` into ``directory`` durably (one data file); return its record.
+    """Serialize ``state`` into ``directory`` (one data file); return its record.
+
+    The container is not fsynced here (the store's commit fsyncs every file together);
+    the ``torch.save`` fallback is.
 
     The container format (``state.bin``) when the state holds only tensors, containers and
     plain values; otherwise ``torch.save`` (``state.pt``).

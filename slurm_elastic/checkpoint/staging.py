@@ -7,9 +7,9 @@ or allocate the buffers) and returns a :class:`StagingRound` whose tensor copies
 background threads (``Tensor.copy_`` releases the GIL; 16 MiB chunks on up to 4 threads).
 The training loop is blocked only for that walk, plus whatever a guard makes it wait:
 
-* **optimizer guard**: a global ``torch.optim`` step pre-hook waits until every copy of
-  every round in flight is done before any optimizer's ``step()`` mutates parameters or
-  optimizer state;
+* **optimizer guard**: a global ``torch.optim`` step pre-hook makes every copy of every
+  round in flight finish (copying what no staging thread has started yet itself) before
+  any optimizer's ``step()`` mutates parameters or optimizer state;
 * **forward guard**: a global module forward pre-hook copies, in the calling thread and
   before the module runs, the pending buffers of that module and its children (what a
   forward pass mutates in place: batch-norm statistics, DDP's buffer broadcast), so
@@ -159,6 +159,10 @@ class StagingRound:
     def work(self) -> None:
         """Copy pending chunks until none is left (run on the staging threads)."""
         _faults.point("staging")
+        self._drain()
+
+    def _drain(self) -> None:
+        """Copy pending chunks in this thread until none is left to claim."""
         while True:
             with self._cond:
                 while self._next < len(self._jobs) and self._jobs[self._next].state != _PENDING:
@@ -198,6 +202,7 @@ class StagingRound:
         _faults.point("guard_wait")
         start = time.perf_counter()
         self._wait_cuda_on_current_stream()
+        self._drain()  # help: copy what no staging thread has started yet
         with self._cond:
             self._cond.wait_for(lambda: self._left == 0)
         self.guard_seconds += time.perf_counter() - start
@@ -222,14 +227,18 @@ class StagingRound:
         self._cleared.add(id(module))
         self.guard_seconds += time.perf_counter() - start
 
-    def wait(self) -> None:
-        """Block until every copy has landed (host and CUDA)."""
+    def wait(self, *, help_copy: bool = True) -> None:
+        """Block until every copy has landed (host and CUDA); ``help_copy``: copy what no
+        staging thread has started yet in this thread (the writer only waits)."""
         start = time.perf_counter()
+        if help_copy:
+            self._drain()
         with self._cond:
             self._cond.wait_for(lambda: self._left == 0)
         for event in self._cuda_events:
             event.synchronize()
-        self.guard_seconds += time.perf_counter() - start
+        if help_copy:  # the training loop's wait (wait_staged), not the writer's
+            self.guard_seconds += time.perf_counter() - start
 
     def check(self) -> None:
         """After :meth:`wait`: raise if a copy failed or a tensor changed while staged.

@@ -51,6 +51,7 @@ from slurm_elastic.checkpoint.manifest import (
     parse_step_dir,
     read_manifest,
     step_dir_name,
+    sync_checkpoint,
     verify_checkpoint,
     write_manifest,
 )
@@ -374,7 +375,10 @@ class CheckpointStore:
         return tmp
 
     def commit(self, tmp: Path, manifest: Manifest) -> Path:
-        """Write ``manifest`` into ``tmp`` durably and rename ``tmp`` to ``step_<N>``.
+        """Write ``manifest`` into ``tmp``, make ``tmp`` durable, rename it to ``step_<N>``.
+
+        The data files need not be fsynced yet: they, the manifest and ``tmp`` are fsynced
+        together (concurrently) before the rename.
 
         Saving a step that exists moves the old copy aside first; :meth:`recover` restores
         it if the writer dies before the new copy is renamed in.
@@ -383,8 +387,8 @@ class CheckpointStore:
             OSError: the manifest or the rename failed (``tmp`` is left for :meth:`discard`).
         """
         _faults.point("before_manifest")
-        write_manifest(tmp, manifest)
-        fsync_dir(tmp)
+        write_manifest(tmp, manifest, sync=False)
+        sync_checkpoint(tmp, manifest)  # data files, manifest and tmp: all durable first
         _faults.point("before_commit")
         final = self.step_path(manifest.step)
         if final.exists():

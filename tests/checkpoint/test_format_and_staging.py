@@ -175,7 +175,9 @@ def assert_equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), key
 
 
-def test_an_optimizer_step_waits_until_the_state_is_staged(tmp_path: Path, held: Held) -> None:
+def test_an_optimizer_step_during_staging_cannot_change_the_checkpoint(
+    tmp_path: Path, held: Held
+) -> None:
     model, opt = model_and_optimizer()
     model(torch.randn(4, 8)).sum().backward()
     before = snapshot(model)
@@ -185,10 +187,9 @@ def test_an_optimizer_step_waits_until_the_state_is_staged(tmp_path: Path, held:
     stepper = threading.Thread(target=opt.step)
     stepper.start()
     wait_for(held.guard.is_set, 60, "optimizer.step() to reach the staging guard")
-    assert_equal_states(snapshot(model), before)  # the step has not run: nothing copied yet
-    held.release()
-    stepper.join(timeout=60)
+    stepper.join(timeout=60)  # the guard copies the state itself, then the step runs
     assert not stepper.is_alive()
+    held.release()
     mgr.flush()
     loaded = mgr.load(1).state["model"]
     assert_equal_states(loaded, before)  # the state as of save(), not after the step
@@ -245,9 +246,9 @@ def test_wait_staged_is_the_explicit_guard(tmp_path: Path, held: Held) -> None:
     changer = threading.Thread(target=change)
     changer.start()
     wait_for(held.staging.is_set, 60, "the staging threads to start")
-    assert not changed.is_set()
+    changer.join(timeout=60)  # wait_staged() made the copy (the staging threads are held)
+    assert changed.is_set()
     held.release()
-    changer.join(timeout=60)
     mgr.flush()
     assert torch.equal(mgr.load(1).state["w"], torch.ones(1 << 20))
     mgr.close()
