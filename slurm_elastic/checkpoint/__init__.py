@@ -10,8 +10,11 @@ Contract (what a ``train.py`` relies on):
 
 * :class:`CheckpointManager` (``from_env()`` reads ``$SLURM_ELASTIC_CHECKPOINT_DIR``):
   ``save(state, step, blocking=...)``, ``flush()``, ``load_latest()``, ``list_checkpoints()``.
-  Replicated (DDP) state is written by rank 0 only and read by all ranks. An async save
-  blocks only while the state is copied to host memory; at most one save is in flight;
+  Replicated (DDP) state is written by rank 0 only and read by all ranks, in a pickle-free
+  format (``torch.save`` only for states holding other objects). An async save returns
+  after a walk of the state; the copy to host memory runs in the background, guarded (the
+  next ``optimizer.step()`` and forward pass cannot change what is being copied;
+  ``wait_staged()`` for other in-place changes); at most one save is in flight;
   ``flush()`` waits (the preemption path calls it). Failures raise
   :class:`~slurm_elastic.errors.CheckpointWriteError` naming the path and the cause; a
   failed save never touches previous checkpoints; damaged ones are skipped with a warning.
@@ -27,8 +30,8 @@ Contract (what a ``train.py`` relies on):
   (:class:`UntrustedCheckpointError` otherwise), each verified before torch reads it.
 
 Parts: ``store`` (torch-free: names, commit, listing, retention, verification; the only
-code touching the directory) ← ``serializer`` ← ``saver`` (async) ← the front ends
-``manager`` (replicated) and ``sharded``.
+code touching the directory) ← ``serializer`` (``container``: our format) ← ``saver``
+(async, with ``staging``) ← the front ends ``manager`` (replicated) and ``sharded``.
 """
 
 from slurm_elastic.checkpoint.bundle import (

@@ -26,8 +26,8 @@ weights stay tied); other storage sharing is not preserved (each view is stored
 contiguous).
 
 Writing: the segments (header, padding, each tensor's memory as it is, no copy) go out
-with ``os.writev`` in large batches while a helper thread computes the CRC32 of the same
-memory in file order (the CRC32 and ``writev`` release the GIL); the commit fsyncs.
+with ``os.writev`` in 16 MiB pieces, each CRCed just before it is written (ISA-L's CRC32
+releases the GIL); the commit fsyncs.
 Reading: the whole file is read into one buffer (huge pages) or mapped, each chunk CRCed
 as it arrives while the kernel reads ahead; only when the CRC and size match the manifest record is the header
 parsed; every tensor then has its own storage inside that buffer (no copy), which the
@@ -43,10 +43,8 @@ import mmap
 import os
 import stat
 import struct
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -62,7 +60,7 @@ MAGIC = b"SLECKPT1"
 _PREFIX = struct.Struct("<8sQ")
 _PAGE = 4096
 _ALIGN = 64
-_BATCH_BYTES = 64 << 20  # per writev call (and the granularity of the mid-write hook)
+_BATCH_BYTES = 16 << 20  # per write call (and the granularity of the mid-write hook)
 _IOV_MAX = 512
 _READ_CHUNK = 16 << 20
 _MAX_HEADER = 1 << 30
@@ -197,9 +195,18 @@ def _memory_of(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
-def _writev_all(fd: int, segments: list[memoryview], on_bytes: Callable[[int], None]) -> int:
-    """Write ``segments`` in order with few large ``writev`` calls; return the bytes."""
+def _write_all(
+    fd: int, segments: list[memoryview], on_bytes: Callable[[int], None]
+) -> tuple[int, int]:
+    """Write ``segments`` in order in 16 MiB ``writev`` calls; return ``(bytes, crc32)``.
+
+    Each piece is CRCed just before it is written, in this thread: the piece is then hot
+    in the CPU cache for the kernel's copy, and ISA-L's CRC32 is cheaper than a thread
+    hand-off. (Measured here against a CRC thread running alongside and 64 MiB writes:
+    this was the fastest, at the speed of a raw write.)
+    """
     total = 0
+    crc = 0
     batch: list[memoryview] = []
     size = 0
 
@@ -219,12 +226,13 @@ def _writev_all(fd: int, segments: list[memoryview], on_bytes: Callable[[int], N
     for seg in segments:
         for a in range(0, max(1, len(seg)), _BATCH_BYTES):
             piece = seg[a : a + _BATCH_BYTES]
+            crc = crc32(piece, crc)
             batch.append(piece)
             size += len(piece)
             if size >= _BATCH_BYTES or len(batch) >= _IOV_MAX:
                 flush()
     flush()
-    return total
+    return total, crc
 
 
 def write_container(
@@ -232,8 +240,7 @@ def write_container(
 ) -> tuple[int, int]:
     """Write an encoded state to a new file ``path``; return ``(size, crc32)``.
 
-    A helper thread computes the CRC32 of the same memory, in file order, while this
-    thread writes (``writev``). Not fsynced here: the store's commit fsyncs it together
+    Each 16 MiB piece is CRCed, then written (``writev``). Not fsynced here: the store's commit fsyncs it together
     with the manifest and the directory. ``on_bytes(total)`` is called after each large
     write.
 
@@ -242,33 +249,10 @@ def write_container(
     """
     segments = _segments(lead, tensors)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    crc_future = _helper_thread().submit(_crc_all, segments)
     try:
-        size = _writev_all(fd, segments, on_bytes)
+        return _write_all(fd, segments, on_bytes)
     finally:
         os.close(fd)
-        crc = crc_future.result()  # never leave the thread reading memory we may free
-    return size, crc
-
-
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def _helper_thread() -> ThreadPoolExecutor:
-    """The CRC helper thread, started once per process (a forked child starts its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc"))
-        return _pool[1]
-
-
-def _crc_all(segments: list[memoryview]) -> int:
-    crc = 0
-    for seg in segments:
-        crc = crc32(seg, crc)
-    return crc
 
 
 # ---------------------------------------------------------------------------- read
