@@ -97,7 +97,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
             30,
             "a committed checkpoint",
         )
-        data = newest.path / "state.pt"
+        data = newest.path / newest.manifest.files[0].name  # the state file (state.bin)
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
