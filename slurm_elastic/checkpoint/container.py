@@ -29,7 +29,8 @@ Writing: the segments (header, padding, each tensor's memory as it is, no copy) 
 with ``os.writev`` in 16 MiB pieces, each CRCed just before it is written (ISA-L's CRC32
 releases the GIL); the commit fsyncs.
 Reading: the whole file is read into one buffer (huge pages) or mapped, each chunk CRCed
-as it arrives while the kernel reads ahead; only when the CRC and size match the manifest record is the header
+as it arrives while the kernel reads ahead; only when the CRC and size match the manifest
+record is the header
 parsed; every tensor then has its own storage inside that buffer (no copy), which the
 buffer outlives.
 """
@@ -62,7 +63,7 @@ _PAGE = 4096
 _ALIGN = 64
 _BATCH_BYTES = 16 << 20  # per write call (and the granularity of the mid-write hook)
 _IOV_MAX = 512
-_READ_CHUNK = 16 << 20
+_READ_CHUNK = 64 << 20  # per read (measured: 64 MiB reads beat 4 and 16 MiB here)
 _MAX_HEADER = 1 << 30
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -301,17 +302,14 @@ def _read_into(fd: int, view: memoryview) -> int:
 
 
 def _crc_mapping(mm: mmap.mmap, size: int) -> int:
-    """CRC32 of a mapping, read ahead by the kernel while this thread computes."""
+    """CRC32 of a mapping, read ahead by the kernel (``MADV_SEQUENTIAL``; explicit
+    ``MADV_WILLNEED`` windows measured 0.7x as fast here) while this thread computes."""
     with suppress(OSError, AttributeError):
         mm.madvise(mmap.MADV_SEQUENTIAL)
     view = memoryview(mm)
     try:
         crc = 0
         for start in range(0, size, _READ_CHUNK):
-            ahead = start + _READ_CHUNK
-            if ahead < size:
-                with suppress(OSError, AttributeError):
-                    mm.madvise(mmap.MADV_WILLNEED, ahead, min(_READ_CHUNK, size - ahead))
             crc = crc32(view[start : start + _READ_CHUNK], crc)
     finally:
         view.release()
