@@ -7,8 +7,9 @@ rendezvous) in turn. Every join and every leave is one membership change of A's 
 on the **restart** path A's workers are restarted from the newest checkpoint (a new
 worker process each time); on the **in-place** path (issue #11; ``examples/train_ddp.py``
 runs on ``ElasticLoop`` since it was merged) A's worker process stays and only re-forms
-its group. ``--path restart|in-place`` asserts which one happened (``worker_processes``);
-without it the count is reported. ``--entrypoint`` picks another training script with
+its group. ``--path restart|in-place`` selects the path (``restart`` sets
+``SLURM_ELASTIC_IN_PLACE=0``) and asserts which one happened (``worker_processes``);
+without it the script's default path runs and the count is reported. ``--entrypoint`` picks another training script with
 train_ddp's command line.
 
 After each change, once A's worker trains again, it samples A and its workers:
@@ -136,6 +137,8 @@ class Soak:
             "SLURM_ELASTIC_MONITOR_INTERVAL_S": "0.2",
             "SLURM_ELASTIC_SHUTDOWN_TIMEOUT_S": "30",
             "SLURM_ELASTIC_MAX_RESTARTS": "1000",
+            # --path restart: the same script on the restart path (ElasticLoop's switch)
+            **({"SLURM_ELASTIC_IN_PLACE": "0"} if self.path == "restart" else {}),
         }
 
     def _agent(self, name: str) -> subprocess.Popen[bytes]:
