@@ -17,7 +17,7 @@ After each change, once A's worker trains again, it samples A and its workers:
 * ``agent_rss_mb``, ``worker_rss_mb``: resident memory (``VmRSS``);
 * ``agent_fds``, ``agent_threads``: open descriptors and threads of A;
 * ``agent_children``: A's live child processes (its worker: exactly 1);
-* ``rdzv_state_files`` (capped: the backend keeps 16 generations), ``rdzv_hb_files``
+* ``rdzv_state_files`` (capped: the backend keeps two segments of 64 generations), ``rdzv_hb_files``
   (only live agents'), ``rdzv_other_files`` (head, meta, store), ``checkpoint_entries``
   (``keep_last=3``; no leftover ``.tmp-step_*``).
 
@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic.rendezvous.backend import SEGMENT
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_ddp.py"
 RUN_ID = "soak"
@@ -64,9 +66,10 @@ COUNT_SLACK = {
     "rdzv_other_files": 1,
     "checkpoint_entries": 1,
 }
-# absolute caps (by design): the backend keeps 16 state generations (+1 being written);
-# heartbeat files only of live agents (2, +1 leaving)
-CAPS = {"rdzv_state_files": 17, "rdzv_hb_files": 3}
+# absolute caps (by design): the backend keeps the current and the previous segment of
+# state generations (2 x SEGMENT files, slurm_elastic/rendezvous/backend.py); heartbeat
+# files only of live agents (2, +1 leaving)
+CAPS = {"rdzv_state_files": 2 * SEGMENT, "rdzv_hb_files": 3}
 # reported, not judged: append-only by design (see the module docstring)
 REPORTED = ("events_files", "rdzv_key_files")
 

@@ -49,9 +49,16 @@ from tests.e2e.test_slurm_e2e import reference_params
 from tests.helpers import wait_for
 
 PACED = Path(__file__).resolve().parent / "paced_train.py"
-# The example the jobs run (tests/faults/paced_train.py): train_ddp is the restart path;
-# set FAULTS_TRAIN_MODULE to an in-place example (issue #11) with the same command line.
+# The example the jobs run (tests/faults/paced_train.py); FAULTS_TRAIN_MODULE picks another
+# example of examples/ with train_ddp's command line.
 TRAIN_MODULE = os.environ.get("FAULTS_TRAIN_MODULE", "train_ddp")
+# The membership path: train_ddp runs on ElasticLoop, which changes membership in place
+# ("in-place", the default); FAULTS_PATH=restart exports SLURM_ELASTIC_IN_PLACE=0 into the
+# jobs, so every change restarts the workers (the path of scripts that do not opt in).
+PATHS = ("in-place", "restart")
+PATH = os.environ.get("FAULTS_PATH", "in-place")
+if PATH not in PATHS:
+    raise ValueError(f"FAULTS_PATH={PATH!r}: expected one of {', '.join(PATHS)}")
 ATOL = 2e-6  # as tests/e2e: float reassociation across world sizes only
 DATASET = 400
 GLOBAL_BATCH = 16
@@ -205,6 +212,7 @@ class FaultRun:
             "state_dir": str(self.state),
             "setup": "export OMP_NUM_THREADS=1",
             "job_name": f"faults-{self.tmp.name}"[:40],
+            **({"env": {"SLURM_ELASTIC_IN_PLACE": "0"}} if PATH == "restart" else {}),
             "partition": "low",
             **FAST,
             "max_restarts": 20,
@@ -271,10 +279,14 @@ class FaultRun:
         )
 
     def wait_world_below(self, world: int, since: float, timeout: float, what: str) -> None:
-        """Wait until a round after ``since`` formed with fewer than ``world`` nodes."""
+        """Wait until a round after ``since`` formed with fewer than ``world`` nodes
+        (workers restarted in it, or the survivors re-formed in place)."""
+        kinds = ("agent.workers_started", "agent.reformed_in_place")
         wait_for(
             lambda: any(
-                e["group_world_size"] < world for e in self.events(since, "agent.workers_started")
+                e["group_world_size"] < world
+                for e in self.events(since)
+                if e["kind"] in kinds and e.get("group_world_size")
             ),
             timeout,
             f"{what}: a round of fewer than {world} nodes\n{self.logs()}",
