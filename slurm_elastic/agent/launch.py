@@ -486,7 +486,9 @@ def _run(
             handler.shutdown()
         _cancel_pending_tasks(slurm, client)
     elif config.requeue == "always":
-        _requeue_own(config, slurm, client)
+        outcome = _requeue_own(config, slurm, client)
+        if isinstance(outcome, SlurmError):
+            log.warning("requeue of %s failed: %s", slurm.own_job_ref, outcome)
     return code
 
 
@@ -580,8 +582,8 @@ def _requeue_own(
     try:
         _client(client).requeue(ref)
     except SlurmError as exc:
-        # Slurm may be requeueing the job itself (PreemptMode=REQUEUE) at the same time.
-        log.warning("requeue of %s failed: %s", ref, exc)
+        # Slurm may be requeueing the job itself (PreemptMode=REQUEUE) at the same time;
+        # the caller says what follows.
         return exc
     log.info("requeued %s", ref)
     events.emit(events.AgentRequeued(job=ref, requeue_count=slurm.restart_count + 1))

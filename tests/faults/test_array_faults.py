@@ -48,7 +48,7 @@ def _node_of_task(run: FaultRun, task: int) -> str:
 
 
 def _recovered(run: FaultRun, since: float, what: str) -> None:
-    run.wait_training(TASKS, since, RECOVER_S, f"recovery after {what}")
+    run.wait_training(TASKS, since, RECOVER_S, f"recovery after {what}", new_round=True)
 
 
 def _requeue_task(run: FaultRun, task: int) -> None:
@@ -195,7 +195,9 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
     def scancel_task() -> None:
         t0 = time.time()
         cl.cancel(f"{run.job}_0")
-        run.wait_training(TASKS - 1, t0, RECOVER_S, "survivors after scancel of task 0")
+        run.wait_training(
+            TASKS - 1, t0, RECOVER_S, "survivors after scancel of task 0", new_round=True
+        )
 
     def scontrol_missing() -> None:
         # tasks 1 and 2 remain; task 2 has no scontrol: its own requeue fails, and
@@ -207,7 +209,9 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
             60,
             "the agent's message that scontrol is missing",
         )
-        run.wait_training(TASKS - 1, t0, RECOVER_S, "task 2 back through Slurm's requeue")
+        run.wait_training(
+            TASKS - 1, t0, RECOVER_S, "task 2 back through Slurm's requeue", new_round=True
+        )
 
     for name, body in [
         ("worker_sigkill", worker_sigkill),
