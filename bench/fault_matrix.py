@@ -40,16 +40,20 @@ BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
 PATHS = ("in-place", "restart")
 #: The cases run on the restart path too (pytest -k): those where the path matters.
 RESTART_K = "test_array_fault or test_time_limit"
+#: Tests that run both paths themselves (parametrized): one row, in the in-place column.
+BOTH_PATHS_IN_ONE = frozenset({"test_soak.py::test_soak_small"})
 
 # test id (file::name[param]) -> (fault, what is checked beyond the invariants)
 CASES: dict[str, tuple[str, str]] = {
     "test_array_faults.py::test_array_fault[worker_sigkill]": (
         "worker SIGKILL",
-        "group restarts from the newest checkpoint (not step 0)",
+        "its agent restarts it; the others restart from the newest checkpoint (restart) or "
+        "re-form in place around it (in place); never from step 0",
     ),
     "test_array_faults.py::test_array_fault[kill_during_checkpoint_write]": (
         "SIGKILL of rank 0 in the middle of a checkpoint write",
-        "the partial `.tmp-step_*` is ignored; resume from a committed step",
+        "the partial `.tmp-step_*` is never loaded; resume from a committed step (restart) "
+        "or from the survivors' commit (in place)",
     ),
     "test_array_faults.py::test_array_fault[corrupted_newest_checkpoint]": (
         "newest checkpoint corrupted (one byte flipped), then all workers killed",
@@ -57,11 +61,13 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "test_array_faults.py::test_array_fault[usr2_preemption]": (
         "graceful preemption by USR2 (`scancel --signal=USR2 --batch`)",
-        "workers save; the task requeues itself and rejoins",
+        "workers save (restart) or leave at the survivors' switch (in place); the task "
+        "requeues itself and rejoins",
     ),
     "test_array_faults.py::test_array_fault[sigterm_preemption]": (
         "SIGTERM to one task (`scancel --signal=TERM --batch`)",
-        "workers save; agent exits TERMINATED (5), survivors go on; requeued by hand, it rejoins",
+        "workers save or leave in place; agent exits TERMINATED (5), survivors go on; "
+        "requeued by hand, it rejoins",
     ),
     "test_array_faults.py::test_array_fault[scontrol_requeue_task]": (
         "`scontrol requeue` of one array task",
@@ -168,6 +174,19 @@ def _key(testcase: ET.Element) -> str:
     return f"{file}::{name}"
 
 
+def _reason(fail: ET.Element) -> str:
+    """The failure's own reason: the innermost error line (not the carrier's wrapper)."""
+    text = f"{fail.get('message') or ''}\n{fail.text or ''}"
+    if "not reached:" in text:
+        return "not reached: " + text.split("not reached:", 1)[1].strip().splitlines()[0]
+    errors = [
+        line.strip().removeprefix("E").strip()
+        for line in text.splitlines()
+        if re.match(r"^E?\s*\w*(Error|Exception): ", line) and "failed:" not in line
+    ]
+    return (errors[-1] if errors else (fail.get("message") or ""))[:200]
+
+
 def parse_junit(path: Path) -> dict[str, tuple[str, float, str]]:
     """test key -> (result, seconds, detail); variants of one row are merged."""
     results: dict[str, tuple[str, float, str]] = {}
@@ -182,7 +201,7 @@ def parse_junit(path: Path) -> dict[str, tuple[str, float, str]]:
             )
             result, detail = kind, skip.get("message", "")
         elif (fail := tc.find("failure")) is not None or (fail := tc.find("error")) is not None:
-            result, detail = "FAIL", (fail.get("message") or "")[:160]
+            result, detail = "FAIL", _reason(fail)
         else:
             result, detail = "pass", ""
         if key in results:
@@ -217,7 +236,9 @@ def table(results: dict[str, dict[str, tuple[str, float, str]]], when: str) -> s
         cells, times = [], []
         for path in PATHS:
             got = results.get(path, {}).get(key)
-            if got is None and path == "restart" and restart_run:
+            if got is None and path == "restart" and key in BOTH_PATHS_IN_ONE:
+                cells.append("(both paths in one test: in-place column)")
+            elif got is None and path == "restart" and restart_run:
                 cells.append("same (path-independent)")
             else:
                 cells.append(_cell(got))
