@@ -1,6 +1,7 @@
 """Fault matrix, Slurm and process faults: one ``elastic_array`` job (3 tasks, 1 worker
-each, restart path) carries the faults below in sequence; after each one the test waits
-until all 3 workers train again (requeueing a task by hand where the fault ends a task
+each; in place, or restart with ``FAULTS_PATH=restart``) carries the faults below in
+sequence; after each one the test waits until all 3 workers train again in a later round
+(requeueing a task by hand where the fault ends a task
 and nothing in Slurm brings it back, as a user would), then injects the next.
 
 Every case is its own test; each asserts its own case held *and* the end invariants
