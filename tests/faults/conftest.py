@@ -5,7 +5,8 @@ suite's time, so it runs when asked: ``python bench/fault_matrix.py`` (which reg
 docs/reliability.md) or ``SLURM_ELASTIC_FAULTS=1 scripts/test.sh tests/faults``.
 Otherwise each Slurm or slow case is skipped with that reason; the quick ones run, and
 so do the short Slurm cases of :data:`DEFAULT_SUITE` (short jobs that end by themselves:
-about 40-90 s each on the loaded 2-core machine, see docs/reliability.md).
+4 s and 27 s on a free cluster, 40-90 s while other jobs queue; all of tests/faults
+without the opt-in took 55 s).
 
 Restarting the controller briefly disturbs every other job on the shared test cluster
 (their Slurm commands retry), so it goes after everything else, never in between.
