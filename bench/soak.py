@@ -7,8 +7,9 @@ rendezvous) in turn. Every join and every leave is one membership change of A's 
 on the **restart** path A's workers are restarted from the newest checkpoint (a new
 worker process each time); on the **in-place** path (issue #11; ``examples/train_ddp.py``
 runs on ``ElasticLoop`` since it was merged) A's worker process stays and only re-forms
-its group. ``--path restart|in-place`` asserts which one happened (``worker_processes``);
-without it the count is reported. ``--entrypoint`` picks another training script with
+its group. ``--path restart|in-place`` selects the path (``restart`` sets
+``SLURM_ELASTIC_IN_PLACE=0``) and asserts which one happened (``worker_processes``);
+without it the script's default path runs and the count is reported. ``--entrypoint`` picks another training script with
 train_ddp's command line.
 
 After each change, once A's worker trains again, it samples A and its workers:
@@ -16,7 +17,7 @@ After each change, once A's worker trains again, it samples A and its workers:
 * ``agent_rss_mb``, ``worker_rss_mb``: resident memory (``VmRSS``);
 * ``agent_fds``, ``agent_threads``: open descriptors and threads of A;
 * ``agent_children``: A's live child processes (its worker: exactly 1);
-* ``rdzv_state_files`` (capped: the backend keeps 16 generations), ``rdzv_hb_files``
+* ``rdzv_state_files`` (capped: the backend keeps two segments of 64 generations), ``rdzv_hb_files``
   (only live agents'), ``rdzv_other_files`` (head, meta, store), ``checkpoint_entries``
   (``keep_last=3``; no leftover ``.tmp-step_*``).
 
@@ -50,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic.rendezvous.backend import SEGMENT
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_ddp.py"
 RUN_ID = "soak"
@@ -63,9 +66,10 @@ COUNT_SLACK = {
     "rdzv_other_files": 1,
     "checkpoint_entries": 1,
 }
-# absolute caps (by design): the backend keeps 16 state generations (+1 being written);
-# heartbeat files only of live agents (2, +1 leaving)
-CAPS = {"rdzv_state_files": 17, "rdzv_hb_files": 3}
+# absolute caps (by design): the backend keeps the current and the previous segment of
+# state generations (2 x SEGMENT files, slurm_elastic/rendezvous/backend.py); heartbeat
+# files only of live agents (2, +1 leaving)
+CAPS = {"rdzv_state_files": 2 * SEGMENT, "rdzv_hb_files": 3}
 # reported, not judged: append-only by design (see the module docstring)
 REPORTED = ("events_files", "rdzv_key_files")
 
@@ -136,6 +140,8 @@ class Soak:
             "SLURM_ELASTIC_MONITOR_INTERVAL_S": "0.2",
             "SLURM_ELASTIC_SHUTDOWN_TIMEOUT_S": "30",
             "SLURM_ELASTIC_MAX_RESTARTS": "1000",
+            # --path restart: the same script on the restart path (ElasticLoop's switch)
+            **({"SLURM_ELASTIC_IN_PLACE": "0"} if self.path == "restart" else {}),
         }
 
     def _agent(self, name: str) -> subprocess.Popen[bytes]:

@@ -421,6 +421,7 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     slurm: SlurmEnv | None = None,
+    overrides_source: str = "the command line",
 ) -> ElasticConfig:
     """Build the config from defaults, Slurm, YAML, environment and CLI overrides.
 
@@ -429,6 +430,8 @@ def load_config(
         environ: the environment (default ``os.environ``).
         overrides: CLI values; ``None`` values mean "not given".
         slurm: the parsed Slurm environment (default parsed from ``environ``).
+        overrides_source: where ``overrides`` came from, as error messages name it
+            (``"job file 'job.yaml'"``; default ``"the command line"``).
 
     Raises:
         ConfigError: an unknown key, a wrong type or an impossible value; the message
@@ -441,7 +444,7 @@ def load_config(
         merged.update(_from_yaml(path))
     merged.update(_from_env(env))
     merged.update(
-        _collect({k: v for k, v in (overrides or {}).items() if v is not None}, "the command line")
+        _collect({k: v for k, v in (overrides or {}).items() if v is not None}, overrides_source)
     )
     if "max_nodes" not in merged and "min_nodes" in merged:
         merged["max_nodes"] = max(merged["min_nodes"], 1)

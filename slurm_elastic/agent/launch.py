@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -41,7 +42,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
 )
 
-from slurm_elastic import envvars, events, notice
+from slurm_elastic import envvars, events, notice, signals
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.agent.watchdog import ProgressWatch
@@ -373,10 +374,21 @@ def _run(
         )
 
     stop = _Stop(config.preempt_signum, notice_file)
-    for sig in {config.preempt_signum, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}:
+    handled = {config.preempt_signum, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+    for sig in handled:
         signal.signal(sig, stop.handler)
+    early = signals.take_early_notices(handled)
+    # The job script may start the agent with the notice blocked (held pending until
+    # now): from here on the handler acts on it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
 
     try:
+        for sig in early:  # a notice during start-up: act on it now (raises)
+            if sig in handled:
+                log.warning("%s arrived while the agent was starting: acting on it now", sig.name)
+                stop.handler(sig, None)
+            else:
+                log.warning("ignored %s during start-up: not the notice signal", sig.name)
         params = rendezvous_parameters(config, rdzv_conf)
         handler = rdzv_registry.get_rendezvous_handler(params)
     except SignalException:  # stopped before there was anything to stop
@@ -474,7 +486,9 @@ def _run(
             handler.shutdown()
         _cancel_pending_tasks(slurm, client)
     elif config.requeue == "always":
-        _requeue_own(config, slurm, client)
+        outcome = _requeue_own(config, slurm, client)
+        if isinstance(outcome, SlurmError):
+            log.warning("requeue of %s failed: %s", slurm.own_job_ref, outcome)
     return code
 
 
@@ -497,22 +511,62 @@ def _after_signal(
 ) -> ExitCode:
     # torch's agent has already forwarded the signal and waited up to
     # shutdown_timeout_s for the workers (their checkpoint flush), then killed them.
+    stop.stopping = True  # from here on, signals are only recorded (no second exception)
     _leave(handler)
     if not stop.noticed:
         events.emit(events.AgentTerminated(signals=list(stop.signals)))
         return ExitCode.TERMINATED
     if config.requeue == "never":
         return ExitCode.PREEMPTED
-    if _requeue_own(config, slurm, client):
+    outcome = _requeue_own(config, slurm, client)
+    if outcome is True:
         return ExitCode.PREEMPTED_REQUEUED
+    if outcome is not False:
+        _wait_for_slurm(stop, slurm, outcome)
     return ExitCode.PREEMPTED
+
+
+#: Signals with which Slurm ends a task (preemption, time limit, scancel, requeue).
+_ENDING = frozenset({"SIGTERM", "SIGHUP", "SIGQUIT"})
+
+
+def _wait_for_slurm(stop: _Stop, slurm: SlurmEnv, error: SlurmError) -> None:
+    """The task could not requeue itself: stay until Slurm ends it, then exit.
+
+    Exiting now would end the task as finished: during a preemption's GraceTime, Slurm
+    then has nothing left to requeue (PreemptMode=REQUEUE only requeues a task it stops
+    itself). Staying lets Slurm's own SIGTERM, at the end of the grace time or at the time
+    limit, end the task as Slurm decides: requeued on a preemption. The workers are
+    stopped and the rendezvous left already; a SIGTERM that came with the notice (e.g.
+    GraceTime=0) ends the wait at once. Slurm's SIGKILL after KillWait is the backstop.
+    """
+    log.error(
+        "cannot requeue %s myself (%s); waiting for Slurm to end this task: a preemption "
+        "requeues it (PreemptMode=REQUEUE), a time limit or scancel ends it. To requeue on "
+        "every notice, make scontrol reachable in the job (e.g. bind Slurm's commands "
+        "into the container and put them on PATH in the job's setup)",
+        slurm.own_job_ref,
+        error,
+    )
+    while not _ENDING.intersection(stop.signals):
+        time.sleep(0.2)  # the signal handler records Slurm's signal in stop.signals
+    log.info("Slurm ended the task (%s)", ", ".join(stop.signals))
 
 
 def _client(client: SlurmControl | None) -> SlurmControl:
     return client if client is not None else default_control()
 
 
-def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: SlurmControl | None) -> bool:
+def _requeue_own(
+    config: ElasticConfig, slurm: SlurmEnv, client: SlurmControl | None
+) -> bool | SlurmError:
+    """Requeue this node's own job or array task.
+
+    Returns:
+        True: requeued. False: not to be requeued (not in Slurm, ``max_requeues``
+        reached). The :class:`SlurmError` of a requeue that failed (no ``scontrol`` on
+        PATH, Slurm refused): only Slurm's own requeue can bring the task back.
+    """
     ref = slurm.own_job_ref
     if ref is None:
         log.info("not in a Slurm job: nothing to requeue")
@@ -528,9 +582,9 @@ def _requeue_own(config: ElasticConfig, slurm: SlurmEnv, client: SlurmControl | 
     try:
         _client(client).requeue(ref)
     except SlurmError as exc:
-        # Slurm may be requeueing the job itself (PreemptMode=REQUEUE) at the same time.
-        log.warning("requeue of %s failed: %s", ref, exc)
-        return False
+        # Slurm may be requeueing the job itself (PreemptMode=REQUEUE) at the same time;
+        # the caller says what follows.
+        return exc
     log.info("requeued %s", ref)
     events.emit(events.AgentRequeued(job=ref, requeue_count=slurm.restart_count + 1))
     return True

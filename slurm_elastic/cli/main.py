@@ -84,7 +84,7 @@ def _job_file_config(path: str | None) -> dict[str, object] | None:
     values = _read_job_file(path)
     if not any(str(k).replace("-", "_") in render.TEMPLATE_KEYS for k in values):
         return None
-    return render.job_config(values)
+    return render.job_config(values, source=f"job file {path!r}")
 
 
 def _load(ns: argparse.Namespace) -> ElasticConfig:
@@ -124,6 +124,10 @@ def _check_std(flag: str, value: str) -> str:
 
 
 def _cmd_agent(ns: argparse.Namespace) -> int:
+    # Before torch is imported (seconds): a notice meanwhile is held, not fatal.
+    from slurm_elastic.signals import hold_early_notices
+
+    hold_early_notices()
     from slurm_elastic.agent import run_agent
     from slurm_elastic.agent.launch import rendezvous_parameters
 
@@ -164,7 +168,10 @@ def _cmd_render(ns: argparse.Namespace) -> int:
         raise SlurmElasticError(
             "render: name a template (slurm-elastic render --list) or set 'mode' in the job file"
         )
-    text = render.render_template(str(template), values)
+    source = f"job file {ns.config!r}" if ns.config else "--set"
+    if ns.config and ns.set:
+        source += " or --set"
+    text = render.render_template(str(template), values, source=source)
     # Slurm opens the log and working directories before the script runs: create them
     # now (relative to here, where sbatch is expected to run), whether the script goes to
     # a file or to stdout.

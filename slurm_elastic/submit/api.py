@@ -15,7 +15,7 @@ from typing import TextIO
 
 from slurm_elastic.errors import ConfigError, SlurmError
 from slurm_elastic.slurm.control import SlurmControl, default_control
-from slurm_elastic.submit import local, slurm_backend
+from slurm_elastic.submit import local, render, slurm_backend
 from slurm_elastic.submit.job import JobHandle, JobState
 from slurm_elastic.submit.request import JobRequest, build_request
 
@@ -211,6 +211,9 @@ def submit_from_config(
             if key in ("cluster", "dry_run", "wait")
             else f"job file {os.fspath(path)!r}: {key!r} is not a job value; drop it"
         )
+    # The file's values are checked on their own first, so that an error names the file
+    # (the merged values below would be reported as "the job values").
+    render.job_config(values, source=f"job file {os.fspath(path)!r}")
     values.update(overrides or {})
     if dry_run:
         plan = plan_submission(cluster=cluster, **values)

@@ -207,6 +207,8 @@ SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
 )
 #: The template ``slurm-elastic submit`` and :func:`job_config` use without a ``mode``.
 DEFAULT_MODE = "elastic_array"
+#: How error messages name the values when the caller does not say where they came from.
+VALUES_SOURCE = "the job values"
 
 _PLACEHOLDER = re.compile(r"\$(\$)?\{([a-z][a-z0-9_]*)\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -361,7 +363,7 @@ def _nodes(spec: TemplateSpec, config: dict[str, object], template: dict[str, ob
 
 
 def _resolve(
-    name: str, values: Mapping[str, object]
+    name: str, values: Mapping[str, object], source: str = VALUES_SOURCE
 ) -> tuple[TemplateSpec, dict[str, object], dict[str, object], ElasticConfig]:
     """(spec, config keys to export, template keys with defaults, validated config)."""
     spec = _spec(name)
@@ -384,11 +386,19 @@ def _resolve(
 
     # Validate and normalise the config keys with the config class itself, without
     # anything derived from this machine's environment.
-    resolved = load_config(None, environ={}, overrides=config, slurm=SlurmEnv.from_environ({}))
+    resolved = load_config(
+        None,
+        environ={},
+        overrides=config,
+        slurm=SlurmEnv.from_environ({}),
+        overrides_source=source,
+    )
     return spec, config, template, resolved
 
 
-def job_config(values: Mapping[str, object], mode: str | None = None) -> dict[str, object]:
+def job_config(
+    values: Mapping[str, object], mode: str | None = None, *, source: str = VALUES_SOURCE
+) -> dict[str, object]:
     """The config keys a job's script exports (``SLURM_ELASTIC_<KEY>``), validated.
 
     The same resolution as :func:`render_template` (and ``slurm-elastic submit``): the
@@ -396,20 +406,25 @@ def job_config(values: Mapping[str, object], mode: str | None = None) -> dict[st
     ``elastic_array``). Inside the job these values win over ``SLURM_ELASTIC_*`` variables
     inherited from the submitting shell.
 
+    ``source`` names where ``values`` came from in error messages (``"job file 'x.yaml'"``).
+
     Raises:
         ConfigError: as :func:`template_values` (``entrypoint`` is not required here).
     """
     name = str(mode or values.get("mode") or DEFAULT_MODE)
-    _, config, _, resolved = _resolve(name, values)
+    _, config, _, resolved = _resolve(name, values, source)
     return {key: getattr(resolved, key) for key in sorted(config)}
 
 
-def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
+def template_values(
+    name: str, values: Mapping[str, object], *, source: str = VALUES_SOURCE
+) -> dict[str, str]:
     """Resolve ``values`` into the text of every placeholder of template ``name``.
 
     Args:
         name: a template name (:func:`list_templates`).
         values: config keys and template keys (see the module docstring).
+        source: where ``values`` came from, as error messages name it.
 
     Returns:
         placeholder name -> rendered text.
@@ -417,7 +432,7 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     Raises:
         ConfigError: unknown template or key, a missing required value, or a bad value.
     """
-    spec, config, template, resolved = _resolve(name, values)
+    spec, config, template, resolved = _resolve(name, values, source)
     exported = {key: getattr(resolved, key) for key in sorted(config)}
 
     entrypoint = template.get("entrypoint")
@@ -495,13 +510,16 @@ def template_values(name: str, values: Mapping[str, object]) -> dict[str, str]:
     return out
 
 
-def render_template(name: str, values: Mapping[str, object] | None = None) -> str:
+def render_template(
+    name: str, values: Mapping[str, object] | None = None, *, source: str = VALUES_SOURCE
+) -> str:
     """Render template ``name`` with ``values``: a dry run by construction.
 
     Args:
         name: a template name (:func:`list_templates`).
         values: config keys and template keys (see the module docstring); ``entrypoint``
             is required.
+        source: where ``values`` came from, as error messages name it.
 
     Returns:
         The complete sbatch script.
@@ -511,7 +529,7 @@ def render_template(name: str, values: Mapping[str, object] | None = None) -> st
             the message names the key and the fix.
     """
     text = template_text(name)
-    resolved = template_values(name, values or {})
+    resolved = template_values(name, values or {}, source=source)
     missing: list[str] = []
 
     def substitute(match: re.Match[str]) -> str:

@@ -49,9 +49,16 @@ from tests.e2e.test_slurm_e2e import reference_params
 from tests.helpers import wait_for
 
 PACED = Path(__file__).resolve().parent / "paced_train.py"
-# The example the jobs run (tests/faults/paced_train.py): train_ddp is the restart path;
-# set FAULTS_TRAIN_MODULE to an in-place example (issue #11) with the same command line.
+# The example the jobs run (tests/faults/paced_train.py); FAULTS_TRAIN_MODULE picks another
+# example of examples/ with train_ddp's command line.
 TRAIN_MODULE = os.environ.get("FAULTS_TRAIN_MODULE", "train_ddp")
+# The membership path: train_ddp runs on ElasticLoop, which changes membership in place
+# ("in-place", the default); FAULTS_PATH=restart exports SLURM_ELASTIC_IN_PLACE=0 into the
+# jobs, so every change restarts the workers (the path of scripts that do not opt in).
+PATHS = ("in-place", "restart")
+PATH = os.environ.get("FAULTS_PATH", "in-place")
+if PATH not in PATHS:
+    raise ValueError(f"FAULTS_PATH={PATH!r}: expected one of {', '.join(PATHS)}")
 ATOL = 2e-6  # as tests/e2e: float reassociation across world sizes only
 DATASET = 400
 GLOBAL_BATCH = 16
@@ -150,6 +157,7 @@ class FaultRun:
     values: dict[str, Any] = field(default_factory=dict)
     job: str = ""
     extra_jobs: list[str] = field(default_factory=list)
+    _round_at: dict[float, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         (self.tmp / "logs").mkdir(parents=True, exist_ok=True)
@@ -205,6 +213,7 @@ class FaultRun:
             "state_dir": str(self.state),
             "setup": "export OMP_NUM_THREADS=1",
             "job_name": f"faults-{self.tmp.name}"[:40],
+            **({"env": {"SLURM_ELASTIC_IN_PLACE": "0"}} if PATH == "restart" else {}),
             "partition": "low",
             **FAST,
             "max_restarts": 20,
@@ -236,45 +245,67 @@ class FaultRun:
             if e["time"] >= since and (kind is None or e["kind"] == kind)
         ]
 
-    def training_at(self, world: int, since: float) -> bool:
+    def _ledger_tail(self) -> list[dict[str, Any]]:
+        path = self.tmp / "ledger.jsonl"
+        if not path.exists():
+            return []
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - (256 << 10)))
+            tail = fh.read().decode(errors="replace").splitlines()[1:]
+        out = []
+        for line in tail:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def training_at(self, world: int, since: float, new_round: bool = False) -> bool:
         """Every rank of a world of ``world`` workers trains after ``since``.
 
         Either each (re)started worker said so (``train.start``, the restart path), or the
-        ledger has steps of all ``world`` ranks at that world size after ``since`` (also
-        true when the world changed in place, without a new ``train.start``).
+        ledger has steps of all ``world`` ranks at that world size after ``since`` (the
+        world changed in place, without a new ``train.start``). With ``new_round`` (after
+        a fault) only steps of a *later round* than the one training at ``since`` count:
+        a fault takes a moment to act, and the world size may be the same after it.
         """
         ranks = {e["rank"] for e in self.events(since, "train.start") if e["world_size"] == world}
         if len(ranks) == world:
             return True
-        path = self.tmp / "ledger.jsonl"
-        if not path.exists():
-            return False
-        with open(path, "rb") as fh:
-            fh.seek(max(0, path.stat().st_size - (256 << 10)))
-            tail = fh.read().decode(errors="replace").splitlines()[1:]
-        seen = set()
-        for line in tail:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("world") == world and rec.get("time", 0) >= since:
-                seen.add(rec["rank"])
+        tail = self._ledger_tail()
+        if not new_round:
+            self._round_at[since] = -1
+        elif since not in self._round_at:  # first call, right after the fault: the old round
+            self._round_at[since] = max(
+                (r.get("round", -1) for r in tail if r.get("time", 0) < since), default=-1
+            )
+        old = self._round_at[since]
+        seen = {
+            r["rank"]
+            for r in tail
+            if r.get("world") == world and r.get("time", 0) >= since and r.get("round", 0) > old
+        }
         return len(seen) == world
 
-    def wait_training(self, world: int, since: float, timeout: float, what: str) -> None:
+    def wait_training(
+        self, world: int, since: float, timeout: float, what: str, new_round: bool = False
+    ) -> None:
         wait_for(
-            lambda: self.training_at(world, since),
+            lambda: self.training_at(world, since, new_round),
             timeout,
             f"{what}: {world} workers training\n{self.logs()}",
             interval=0.2,
         )
 
     def wait_world_below(self, world: int, since: float, timeout: float, what: str) -> None:
-        """Wait until a round after ``since`` formed with fewer than ``world`` nodes."""
+        """Wait until a round after ``since`` formed with fewer than ``world`` nodes
+        (workers restarted in it, or the survivors re-formed in place)."""
+        kinds = ("agent.workers_started", "agent.reformed_in_place")
         wait_for(
             lambda: any(
-                e["group_world_size"] < world for e in self.events(since, "agent.workers_started")
+                e["group_world_size"] < world
+                for e in self.events(since)
+                if e["kind"] in kinds and e.get("group_world_size")
             ),
             timeout,
             f"{what}: a round of fewer than {world} nodes\n{self.logs()}",

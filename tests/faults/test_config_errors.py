@@ -106,11 +106,6 @@ def test_malformed_value_inside_a_job_fails_fast_and_clearly(
         run.cleanup()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="defect: a bad value in the job file is reported 'from the command line' "
-    "instead of naming the file; CLI errors are #14 (h-readme)",
-)
 def test_a_bad_value_in_a_job_file_is_attributed_to_the_file(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text("entrypoint: x.py\nmax_restarts: lots\n")
@@ -124,3 +119,4 @@ def test_a_bad_value_in_a_job_file_is_attributed_to_the_file(tmp_path: Path) -> 
     )
     assert proc.returncode == ExitCode.USAGE, proc
     assert "command line" not in proc.stderr and str(job) in proc.stderr, proc.stderr
+    assert "max_restarts" in proc.stderr and "'lots'" in proc.stderr, proc.stderr

@@ -84,7 +84,8 @@ def test_a_second_job_with_the_same_run_id_is_refused_clearly(
     assert "shared-id" in log and "run id" in log.lower(), log
     # the first job never saw the second one: no new round after it came
     wait_for(lambda: first.step_now() > 20, 60, "the first job to go on")
-    rounds = [e for e in first.events(t0) if e["kind"] == "agent.workers_started"]
+    new_round = ("agent.workers_started", "agent.reformed_in_place")
+    rounds = [e for e in first.events(t0) if e["kind"] in new_round]
     assert not rounds, f"the first job was disturbed: {rounds}"
     infos = first.finish()
     assert {i.state for i in infos} == {JobState.COMPLETED}, f"{infos}\n{first.logs()}"

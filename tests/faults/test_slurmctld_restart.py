@@ -74,8 +74,8 @@ def test_training_survives_a_slurmctld_restart(slurm_cluster: SlurmCluster, tmp_
         # Slurm still acts on the job after the restart
         t0 = time.time()
         slurm_cluster.client.requeue(f"{run.job}_1")
-        run.wait_training(1, t0, 240, "the survivor after the requeue")
-        run.wait_training(2, t0, 240, "the requeued task to rejoin")
+        run.wait_training(1, t0, 240, "the survivor after the requeue", new_round=True)
+        run.wait_training(2, t0, 240, "the requeued task to rejoin", new_round=True)
         infos = run.finish()
         assert {i.state for i in infos} == {JobState.COMPLETED}, f"{infos}\n{run.logs()}"
         run.check_end(tmp_path)

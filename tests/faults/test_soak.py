@@ -3,8 +3,9 @@ nothing may leak (agent and worker memory, descriptors, threads, child processes
 in the rendezvous and checkpoint directories, processes after the end).
 
 Real agents and workers on this machine (no Slurm: Slurm only starts the agents; the
-membership changes are the rendezvous' and the agent's). The restart path; the in-place
-path runs with ``bench/soak.py --path in-place`` once issue #11 is merged.
+membership changes are the rendezvous' and the agent's). Both paths: in place (the
+example's default) and restart (``SLURM_ELASTIC_IN_PLACE=0``); each asserts which one
+happened (one worker process in place, a new one per change on restart).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from soak import Soak
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_soak_small(tmp_path: Path) -> None:
-    rows = Soak(tmp_path, changes=4).run()
+@pytest.mark.parametrize("path", ["in-place", "restart"])
+def test_soak_small(tmp_path: Path, path: str) -> None:
+    rows = Soak(tmp_path, changes=4, path=path).run()
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad

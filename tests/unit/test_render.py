@@ -203,9 +203,11 @@ def test_bad_env_name_and_bad_integer() -> None:
 
 AGENT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     from slurm_elastic import notice
     notice.install_preemption_handler()
+    # as slurm-elastic agent: the array script hands the notice over blocked (held)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
     ready = os.environ["READY_FILE"]
     open(ready, "w").write(str(os.getpid()))
     deadline = time.monotonic() + 30
