@@ -52,7 +52,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
 from slurm_elastic.checkpoint import (
@@ -65,6 +64,7 @@ from slurm_elastic.checkpoint import (
 from slurm_elastic.checkpoint.sampler import rank_share
 from slurm_elastic.live import control
 from slurm_elastic.live.state import ElasticState
+from slurm_elastic.live.world import LiveWorld, ReformTimeoutError, is_peer_failure
 
 __all__ = ["ElasticLoop", "ReformTimeoutError", "Step", "is_peer_failure"]
 
@@ -73,31 +73,6 @@ log = logging.getLogger(__name__)
 _BIG = 1 << 62
 # Rank 0 reports progress (a train.progress event) every this many steps.
 _PROGRESS_EVERY = 10
-_FAILURE_WORDS = (
-    "Connection reset",
-    "Connection closed",
-    "Connection refused",
-    "Broken pipe",
-    "Timed out",
-    "timed out",
-    "Gloo",
-    "gloo",
-    "NCCL",
-    "connectFullMesh",
-    "ProcessGroup",
-    "Socket",
-)
-
-
-class ReformTimeoutError(RuntimeError):
-    """No new round arrived in time after a peer failed: fall back to a restart."""
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a failed collective (a peer gone), not a bug."""
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _FAILURE_WORDS)
 
 
 @dataclass(frozen=True)
@@ -127,12 +102,6 @@ class Step:
     rank: int
     world_size: int
     round: int
-
-
-@dataclass
-class _Pending:
-    assignment: control.Assignment
-    store: Any
 
 
 class ElasticLoop:
@@ -221,15 +190,18 @@ class ElasticLoop:
             and bool(os.environ.get(control.CONTROL_DIR_ENV))
             and control.Assignment.from_environ() is not None
         )
-        self._ddp: DistributedDataParallel | None = None
-        self._round = int(os.environ.get(control.ROUND_ENV, "0"))
-        self._watch: control.AssignmentWatch | None = None
-        self._pending: _Pending | None = None
-        self._failed_rounds: set[int] = set()
+        #: the process group and its re-formation (:mod:`~slurm_elastic.live.world`)
+        self.world = LiveWorld(
+            self.state,
+            backend=self.backend,
+            ddp_kwargs=self.ddp_kwargs,
+            timeout=self.timeout,
+            reform_timeout_s=reform_timeout_s,
+            in_place=self.in_place,
+        )
         self._order: tuple[int, list[int]] | None = None
         self._leave_seen_at: float | None = None
         self._saved_step = -1
-        self._dirty = False
         self._total_steps: int | None = None
         self._started = False
         self.resumed_from: str | None = None
@@ -239,9 +211,7 @@ class ElasticLoop:
     @property
     def model(self) -> nn.Module:
         """The current DDP wrapper (replaced at every re-formation)."""
-        if self._ddp is None:
-            raise RuntimeError("ElasticLoop.start() first")
-        return self._ddp
+        return self.world.model
 
     @property
     def step(self) -> int:
@@ -271,7 +241,7 @@ class ElasticLoop:
     @property
     def round(self) -> int:
         """The rendezvous round of the current world."""
-        return self._round
+        return self.world.round
 
     # -- start ----------------------------------------------------------------------------
 
@@ -281,27 +251,14 @@ class ElasticLoop:
         if self._started:
             return
         self._started = True
-        if self.in_place:
-            first = control.Assignment.from_environ()
-            if first is None:  # checked in __init__; the environment changed since
-                raise RuntimeError("in-place mode without an assignment in the environment")
-            directory = os.environ[control.CONTROL_DIR_ENV]
-            self._watch = control.AssignmentWatch(directory, first.local_rank, first.round)
-            self._join(first, self._connect(first))
-            from_peer = self._sync_state()
-        else:
-            dist.init_process_group(self.backend, timeout=self.timeout)
-            from_peer = False
+        from_peer = self.world.open()
         if from_peer:
             self.resumed_from = "peer"
         else:
             self._resume_from_checkpoint()
-            self.state.commit((self._round, self.step))
-        self._wrap()
-        if self.in_place:
-            control.register_worker(
-                os.environ[control.CONTROL_DIR_ENV], self._watch_rank(), os.getpid()
-            )
+            self.world.commit(self.step)
+        self.world.wrap()
+        self.world.register(int(os.environ.get("LOCAL_RANK", "0")))
         events.emit(
             events.LiveStart(
                 rank=self.rank,
@@ -311,9 +268,6 @@ class ElasticLoop:
                 resumed_from=self.resumed_from,
             )
         )
-
-    def _watch_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
 
     def _resume_from_checkpoint(self) -> None:
         if self.checkpoint is None:
@@ -400,7 +354,7 @@ class ElasticLoop:
         """Flush checkpoints and leave the process group."""
         if self.checkpoint is not None:
             self.checkpoint.flush()
-        self._teardown()
+        self.world.teardown()
 
     def _done(self, steps: int | None, epochs: int | None) -> bool:
         return (steps is not None and self.step >= steps) or (
@@ -421,7 +375,7 @@ class ElasticLoop:
     ) -> str | None:
         indices, start, stop = self._slice()
         world = self.world_size
-        self._dirty = True
+        self.world.dirty = True
         train_step(
             Step(
                 model=self.model,
@@ -432,7 +386,7 @@ class ElasticLoop:
                 epoch=self.epoch,
                 rank=self.rank,
                 world_size=world,
-                round=self._round,
+                round=self.world.round,
             )
         )
         counters = self.state.counters
@@ -460,33 +414,10 @@ class ElasticLoop:
     def _leaving_here(self) -> bool:
         return notice.preemption_requested()
 
-    def _ready_round(self) -> int:
-        """``round + 1`` of a pending assignment whose ranks are all ready, else 0."""
-        if self._watch is None:
-            return 0
-        latest = self._watch.poll()
-        fresh = latest is not None and latest.round not in self._failed_rounds
-        if (
-            latest is not None
-            and fresh
-            and (self._pending is None or self._pending.assignment != latest)
-        ):
-            try:
-                self._pending = _Pending(latest, self._connect(latest))
-            except Exception as exc:  # a superseded round's store is gone
-                log.info("round %d store unreachable (%s); waiting", latest.round, exc)
-                self._failed_rounds.add(latest.round)
-                self._pending = None
-        pending = self._pending
-        if pending is None:
-            return 0
-        keys = [f"ready/{r}" for r in range(pending.assignment.world_size)]
-        return pending.assignment.round + 1 if pending.store.check(keys) else 0
-
     def _boundary(self) -> str | None:
         leaving = self._leaving_here()
         if self.in_place:
-            ready = 0 if leaving else self._ready_round()
+            ready = 0 if leaving else self.world.ready_round()
             give_up = (
                 self._leave_seen_at is not None
                 and time.monotonic() - self._leave_seen_at > self.leave_wait_s
@@ -496,7 +427,7 @@ class ElasticLoop:
         flags = torch.tensor(
             [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
             dtype=torch.int64,
-            device=self._device(),
+            device=self.world.device(),
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
@@ -511,7 +442,8 @@ class ElasticLoop:
             if leaving:
                 events.emit(events.LiveLeft(step=self.step, after="switch"))
                 return "left"
-            self._switch()
+            self.world.switch(self.step)
+            self._leave_seen_at = None
             return None
         if gave_up:
             self.save(blocking=True)  # together, now: nothing finished is lost
@@ -535,14 +467,12 @@ class ElasticLoop:
             self.save(blocking=False)
         return None
 
-    def _device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _commit(self) -> None:
-        self.state.commit((self._round, self.step))
-        self._dirty = False
+        self.world.commit(self.step)
+
+    def _recover(self, reason: str) -> None:
+        self.world.recover(reason)
+        self._leave_seen_at = None
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -566,161 +496,3 @@ class ElasticLoop:
         )
         self.checkpoint.save(bundle, self.step, blocking=blocking)
         self._saved_step = self.step
-
-    # -- re-formation ----------------------------------------------------------------------------
-
-    def _connect(self, a: control.Assignment) -> Any:
-        client = dist.TCPStore(
-            a.master_addr,
-            a.master_port,
-            is_master=False,
-            timeout=timedelta(seconds=min(10.0, self.timeout.total_seconds())),
-            use_libuv=True,
-        )
-        client.set_timeout(self.timeout)
-        store = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
-        store.set(f"ready/{a.rank}", "1")
-        return store
-
-    def _join(self, a: control.Assignment, store: Any) -> None:
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore("pg", store),
-            rank=a.rank,
-            world_size=a.world_size,
-            timeout=self.timeout,
-        )
-        self._round = a.round
-        if self._watch is not None:
-            self._watch.current_round = a.round
-        self._pending = None
-        self._leave_seen_at = None
-
-    def _teardown(self) -> None:
-        # The safe order (a gloo group freed from DDP's reducer can deadlock): hold the
-        # group, drop the wrapper, destroy, then drop the group.
-        group = dist.group.WORLD if dist.is_initialized() else None
-        self._ddp = None
-        if group is not None:
-            dist.destroy_process_group()
-        del group
-
-    def _wrap(self) -> None:
-        self._ddp = DistributedDataParallel(self.state.model, **self.ddp_kwargs)
-
-    def _sync_state(self) -> bool:
-        """Collective: all ranks take the newest commit; False if nobody has one."""
-        mine = self.state.commit_id if self.state.committed else (-1, -1)
-        local = torch.tensor([mine[1], mine[0]], dtype=torch.int64, device=self._device())
-        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
-        ids = [(int(t[0]), int(t[1])) for t in gathered]  # (step, round)
-        best = max(ids)
-        if best[0] < 0:
-            return False
-        if all(i == best for i in ids):
-            if self._dirty:
-                self.state.restore()
-        else:
-            self.state.sync(ids.index(best))
-        self._dirty = False
-        return True
-
-    def _switch(self) -> None:
-        pending = self._pending
-        if pending is None:  # an internal invariant: _boundary decided to switch
-            raise RuntimeError("switch without a pending assignment")
-        started = time.monotonic()
-        self._commit()
-        old_world = self.world_size
-        self._teardown()
-        self._join(pending.assignment, pending.store)
-        self._sync_state()
-        self._wrap()
-        took = time.monotonic() - started
-        log.info(
-            "re-formed in place: round %d, rank %d of %d (was %d) in %.3f s",
-            self._round,
-            self.rank,
-            self.world_size,
-            old_world,
-            took,
-        )
-        events.emit(
-            events.LiveReformed(
-                cause="graceful",
-                round=self._round,
-                rank=self.rank,
-                world_size=self.world_size,
-                old_world_size=old_world,
-                step=self.step,
-                switch_s=took,
-            )
-        )
-
-    def _recover(self, reason: str) -> None:
-        """After a failed collective: roll back, wait for the next round, re-form."""
-        started = time.monotonic()
-        deadline = started + self.reform_timeout_s
-        failed_step = self.step
-        log.warning("collective failed at step %d (%s): re-forming in place", failed_step, reason)
-        events.emit(events.LivePeerFailure(step=failed_step, error=reason[:500]))
-        self._teardown()
-        self.state.restore()
-        self._dirty = False
-        if self._pending is not None:
-            self._failed_rounds.discard(self._pending.assignment.round)
-        self._pending = None
-        while True:
-            latest = self._await_assignment(deadline, reason)
-            failure = None
-            try:
-                self._join(latest, self._connect(latest))
-                self._sync_state()
-                self._wrap()
-            except Exception as exc:
-                if not is_peer_failure(exc):
-                    raise
-                failure = f"{type(exc).__name__}: {exc}"
-            if failure is None:
-                break
-            log.warning("re-forming round %d failed (%s); waiting again", latest.round, failure)
-            self._failed_rounds.add(latest.round)
-            self._teardown()
-            self.state.restore()
-        took = time.monotonic() - started
-        log.info(
-            "re-formed after a failure: round %d, rank %d of %d, step %d (redo %d) in %.2f s",
-            self._round,
-            self.rank,
-            self.world_size,
-            self.step,
-            failed_step - self.step,
-            took,
-        )
-        events.emit(
-            events.LiveReformed(
-                cause="failure",
-                round=self._round,
-                rank=self.rank,
-                world_size=self.world_size,
-                step=self.step,
-                redone_steps=failed_step - self.step,
-                switch_s=took,
-            )
-        )
-
-    def _await_assignment(self, deadline: float, reason: str) -> control.Assignment:
-        if self._watch is None:
-            raise ReformTimeoutError(f"collective failed ({reason}) and the restart path is on")
-        while True:
-            latest = self._watch.poll()
-            if latest is not None and latest.round not in self._failed_rounds:
-                return latest
-            if time.monotonic() > deadline:
-                raise ReformTimeoutError(
-                    f"collective failed ({reason}) and no new round came within "
-                    f"{self.reform_timeout_s:.0f} s: falling back to a restart"
-                )
-            notice.report_progress(self.step)  # rewritten every 0.5 s: alive, not hung
-            time.sleep(0.02)

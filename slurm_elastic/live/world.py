@@ -1,0 +1,365 @@
+"""``LiveWorld``: one worker's process group, and how it is re-formed in place.
+
+The loop (:mod:`~slurm_elastic.live.loop`) decides *when* the world changes; this module
+does the change. A :class:`LiveWorld` owns the process group, the DDP wrapper around the
+registered model, the round the group belongs to, and the worker's view of the control
+channel (:class:`~slurm_elastic.live.control.AssignmentWatch`):
+
+* :meth:`LiveWorld.open`: the first group (in place: from the assignment in the
+  environment, taking the newest commit of a live peer; else torch's ``env://``);
+* :meth:`LiveWorld.ready_round`: whether a pending assignment's round is ready (every
+  rank announced ``ready/<rank>`` in the round's store);
+* :meth:`LiveWorld.switch`: a graceful change at a step boundary (commit, tear down in
+  the safe order, init on a fresh store prefix, newest commit from a survivor, new DDP);
+* :meth:`LiveWorld.recover`: after a failed collective (roll back, wait for the next
+  round, re-form; :class:`ReformTimeoutError` when none comes in time).
+
+Why this order (facts in the project notes on torch 2.13): a gloo group freed from DDP's
+reducer can deadlock (hold the group, drop the wrapper, destroy, drop the group);
+``destroy_process_group`` frees nothing while a reference (a traceback) remains (callers
+tear down outside their ``except`` block); a reused store prefix reads stale addresses
+(``slurm_elastic.live.<round>``, a new round every time); DDP's private
+``_update_process_group`` corrupts gradients on a grow (a new wrapper on every rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from slurm_elastic import events, notice
+from slurm_elastic.live import control
+from slurm_elastic.live.state import ElasticState
+
+__all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
+
+log = logging.getLogger(__name__)
+
+_FAILURE_WORDS = (
+    "Connection reset",
+    "Connection closed",
+    "Connection refused",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "Gloo",
+    "gloo",
+    "NCCL",
+    "connectFullMesh",
+    "ProcessGroup",
+    "Socket",
+)
+
+
+class ReformTimeoutError(RuntimeError):
+    """No new round arrived in time after a peer failed: fall back to a restart."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a failed collective (a peer gone), not a bug."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _FAILURE_WORDS)
+
+
+@dataclass
+class _Pending:
+    assignment: control.Assignment
+    store: Any
+
+
+class LiveWorld:
+    """The process group of one worker, re-formed in place on membership changes.
+
+    Args:
+        state: the registered training state (committed, restored and shared here).
+        backend: the process group backend.
+        ddp_kwargs: passed to :class:`DistributedDataParallel`.
+        timeout: collective timeout of every process group.
+        reform_timeout_s: after a failed collective, how long to wait for a new round.
+        in_place: whether the agent's control channel is there (else ``env://`` and the
+            restart path).
+
+    Attributes:
+        round: the rendezvous round of the current group.
+        dirty: the live state moved past the last commit (a step ran since).
+    """
+
+    def __init__(
+        self,
+        state: ElasticState,
+        *,
+        backend: str,
+        ddp_kwargs: dict[str, Any],
+        timeout: timedelta,
+        reform_timeout_s: float,
+        in_place: bool,
+    ) -> None:
+        self.state = state
+        self.backend = backend
+        self.ddp_kwargs = ddp_kwargs
+        self.timeout = timeout
+        self.reform_timeout_s = reform_timeout_s
+        self.in_place = in_place
+        self.round = int(os.environ.get(control.ROUND_ENV, "0"))
+        self.dirty = False
+        self._ddp: DistributedDataParallel | None = None
+        self._watch: control.AssignmentWatch | None = None
+        self._pending: _Pending | None = None
+        self._failed_rounds: set[int] = set()
+
+    # -- view -------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The current DDP wrapper (replaced at every re-formation)."""
+        if self._ddp is None:
+            raise RuntimeError("ElasticLoop.start() first")
+        return self._ddp
+
+    @property
+    def rank(self) -> int:
+        """This rank in the current group."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current group."""
+        return dist.get_world_size()
+
+    def device(self) -> torch.device:
+        """Where collective tensors live (the current CUDA device with NCCL)."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def commit(self, step: int) -> None:
+        """Commit the live state as ``(round, step)``."""
+        self.state.commit((self.round, step))
+        self.dirty = False
+
+    # -- start ------------------------------------------------------------------------------
+
+    def open(self) -> bool:
+        """Join the first group; return whether the state came from a live peer.
+
+        In place, the assignment comes from the environment (torch's variables plus the
+        round) and the newest commit among the ranks is taken (a newcomer among
+        survivors receives it); otherwise torch's ``env://``.
+        """
+        if not self.in_place:
+            dist.init_process_group(self.backend, timeout=self.timeout)
+            return False
+        first = control.Assignment.from_environ()
+        if first is None:  # checked by the caller; the environment changed since
+            raise RuntimeError("in-place mode without an assignment in the environment")
+        directory = os.environ[control.CONTROL_DIR_ENV]
+        self._watch = control.AssignmentWatch(directory, first.local_rank, first.round)
+        self._join(first, self._connect(first))
+        return self.sync_state()
+
+    def register(self, local_rank: int) -> None:
+        """Tell the agent this worker can re-form in place (after the first wrap)."""
+        if self.in_place:
+            control.register_worker(os.environ[control.CONTROL_DIR_ENV], local_rank, os.getpid())
+
+    # -- readiness --------------------------------------------------------------------------
+
+    def ready_round(self) -> int:
+        """``round + 1`` of a pending assignment whose ranks are all ready, else 0."""
+        if self._watch is None:
+            return 0
+        latest = self._watch.poll()
+        fresh = latest is not None and latest.round not in self._failed_rounds
+        if (
+            latest is not None
+            and fresh
+            and (self._pending is None or self._pending.assignment != latest)
+        ):
+            try:
+                self._pending = _Pending(latest, self._connect(latest))
+            except Exception as exc:  # a superseded round's store is gone
+                log.info("round %d store unreachable (%s); waiting", latest.round, exc)
+                self._failed_rounds.add(latest.round)
+                self._pending = None
+        pending = self._pending
+        if pending is None:
+            return 0
+        keys = [f"ready/{r}" for r in range(pending.assignment.world_size)]
+        return pending.assignment.round + 1 if pending.store.check(keys) else 0
+
+    # -- building blocks --------------------------------------------------------------------
+
+    def _connect(self, a: control.Assignment) -> Any:
+        client = dist.TCPStore(
+            a.master_addr,
+            a.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=min(10.0, self.timeout.total_seconds())),
+            use_libuv=True,
+        )
+        client.set_timeout(self.timeout)
+        store = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
+        store.set(f"ready/{a.rank}", "1")
+        return store
+
+    def _join(self, a: control.Assignment, store: Any) -> None:
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore("pg", store),
+            rank=a.rank,
+            world_size=a.world_size,
+            timeout=self.timeout,
+        )
+        self.round = a.round
+        if self._watch is not None:
+            self._watch.current_round = a.round
+        self._pending = None
+
+    def teardown(self) -> None:
+        """Leave the current group in the safe order (idempotent)."""
+        # A gloo group freed from DDP's reducer can deadlock: hold the group, drop the
+        # wrapper, destroy, then drop the group.
+        group = dist.group.WORLD if dist.is_initialized() else None
+        self._ddp = None
+        if group is not None:
+            dist.destroy_process_group()
+        del group
+
+    def wrap(self) -> None:
+        """Wrap the model in a new DDP for the current group (broadcasts from rank 0)."""
+        self._ddp = DistributedDataParallel(self.state.model, **self.ddp_kwargs)
+
+    def sync_state(self) -> bool:
+        """Collective: all ranks take the newest commit; False if nobody has one."""
+        mine = self.state.commit_id if self.state.committed else (-1, -1)
+        local = torch.tensor([mine[1], mine[0]], dtype=torch.int64, device=self.device())
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        ids = [(int(t[0]), int(t[1])) for t in gathered]  # (step, round)
+        best = max(ids)
+        if best[0] < 0:
+            return False
+        if all(i == best for i in ids):
+            if self.dirty:
+                self.state.restore()
+        else:
+            self.state.sync(ids.index(best))
+        self.dirty = False
+        return True
+
+    # -- changes ----------------------------------------------------------------------------
+
+    def switch(self, step: int) -> None:
+        """Collective over the new world: a graceful change at the step boundary ``step``."""
+        pending = self._pending
+        if pending is None:  # an internal invariant: the loop decided to switch
+            raise RuntimeError("switch without a pending assignment")
+        started = time.monotonic()
+        self.commit(step)
+        old_world = self.world_size
+        self.teardown()
+        self._join(pending.assignment, pending.store)
+        self.sync_state()
+        self.wrap()
+        took = time.monotonic() - started
+        log.info(
+            "re-formed in place: round %d, rank %d of %d (was %d) in %.3f s",
+            self.round,
+            self.rank,
+            self.world_size,
+            old_world,
+            took,
+        )
+        events.emit(
+            events.LiveReformed(
+                cause="graceful",
+                round=self.round,
+                rank=self.rank,
+                world_size=self.world_size,
+                old_world_size=old_world,
+                step=step,
+                switch_s=took,
+            )
+        )
+
+    def recover(self, reason: str) -> None:
+        """After a failed collective: roll back, wait for the next round, re-form.
+
+        Raises:
+            ReformTimeoutError: no usable round within ``reform_timeout_s``.
+        """
+        started = time.monotonic()
+        deadline = started + self.reform_timeout_s
+        failed_step = int(self.state.counters["step"])
+        log.warning("collective failed at step %d (%s): re-forming in place", failed_step, reason)
+        events.emit(events.LivePeerFailure(step=failed_step, error=reason[:500]))
+        self.teardown()
+        self.state.restore()
+        self.dirty = False
+        if self._pending is not None:
+            self._failed_rounds.discard(self._pending.assignment.round)
+        self._pending = None
+        while True:
+            latest = self._await_assignment(deadline, reason)
+            failure = None
+            try:
+                self._join(latest, self._connect(latest))
+                self.sync_state()
+                self.wrap()
+            except Exception as exc:
+                if not is_peer_failure(exc):
+                    raise
+                failure = f"{type(exc).__name__}: {exc}"
+            if failure is None:
+                break
+            log.warning("re-forming round %d failed (%s); waiting again", latest.round, failure)
+            self._failed_rounds.add(latest.round)
+            self.teardown()
+            self.state.restore()
+        took = time.monotonic() - started
+        step = int(self.state.counters["step"])
+        log.info(
+            "re-formed after a failure: round %d, rank %d of %d, step %d (redo %d) in %.2f s",
+            self.round,
+            self.rank,
+            self.world_size,
+            step,
+            failed_step - step,
+            took,
+        )
+        events.emit(
+            events.LiveReformed(
+                cause="failure",
+                round=self.round,
+                rank=self.rank,
+                world_size=self.world_size,
+                step=step,
+                redone_steps=failed_step - step,
+                switch_s=took,
+            )
+        )
+
+    def _await_assignment(self, deadline: float, reason: str) -> control.Assignment:
+        if self._watch is None:
+            raise ReformTimeoutError(f"collective failed ({reason}) and the restart path is on")
+        while True:
+            latest = self._watch.poll()
+            if latest is not None and latest.round not in self._failed_rounds:
+                return latest
+            if time.monotonic() > deadline:
+                raise ReformTimeoutError(
+                    f"collective failed ({reason}) and no new round came within "
+                    f"{self.reform_timeout_s:.0f} s: falling back to a restart"
+                )
+            notice.report_progress(int(self.state.counters["step"]))  # alive, not hung
+            time.sleep(0.02)
