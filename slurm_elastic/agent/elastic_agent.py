@@ -20,7 +20,9 @@ is; this class plugs into its intended extension points:
      its new rank, world size and the round's store address; the workers re-form their
      process group at a step boundary (:mod:`slurm_elastic.live`). A round that cannot
      form raises as torch's restart would; workers that cannot re-form exit non-zero
-     and torch's restart runs (the fallback).
+     and torch's restart runs (the fallback). If the round filled ``max_nodes`` without
+     this node, it waits as a spare; its workers see the others' round ready without
+     them, withdraw and leave at the switch, and new workers start if it is promoted.
   2. **notice before a restart**: a membership restart of workers that cannot re-form
      in place first gives them the preemption notice and waits for them to save and
      exit (``shutdown_timeout_s``), so a scale-up loses no step;
@@ -120,6 +122,9 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._before_round(worker_group)
         self._progress.reset()
         super()._initialize_workers(worker_group)
+        self._announce_started(worker_group)
+
+    def _announce_started(self, worker_group: WorkerGroup) -> None:
         nodes = worker_group.group_world_size or 0
         world = nodes * worker_group.spec.local_world_size
         log.info(
@@ -270,6 +275,19 @@ class SlurmElasticAgent(LocalElasticAgent):
         started = time.monotonic()
         pids = {w.local_rank: w.id for w in worker_group.workers}
         self._rendezvous(worker_group)  # the workers keep training meanwhile
+        if not self._workers_registered():
+            # They withdrew while this node waited for a place: the round the others
+            # switched to filled max_nodes without it (it waited as a spare), so they
+            # left at that switch. This round has a place: start new workers in it.
+            log.info("local workers left while this node waited as a spare: starting new ones")
+            self._stop_workers(worker_group)
+            self._before_round(worker_group)
+            self._progress.reset()
+            for local_rank, pid in self._start_workers(worker_group).items():
+                worker_group.workers[local_rank].id = pid
+            worker_group.state = WorkerState.HEALTHY
+            self._announce_started(worker_group)
+            return
         for worker in worker_group.workers:
             worker.id = pids[worker.local_rank]  # same processes, new ranks
         round_ = _round_of(worker_group.spec.rdzv_handler)

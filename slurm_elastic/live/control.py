@@ -5,7 +5,9 @@ holds small JSON files, each written atomically (temporary file + ``rename``):
 
 * ``worker.<local_rank>``: written by a worker that can re-form its process group in
   place (:func:`register_worker`): ``{"pid": ..., "live": true}``. The agent re-forms in
-  place only when every local worker registered with its current pid.
+  place only when every local worker registered with its current pid; a worker that
+  leaves because its node has no place in the new round removes it
+  (:func:`unregister_worker`).
 * ``assign.<local_rank>``: written by the agent after a rendezvous round it ran while
   the workers kept training (:func:`write_assignment`): the worker's new rank, world
   size, and the round's store address (:class:`Assignment`). A worker reads it at step
@@ -40,6 +42,7 @@ __all__ = [
     "read_assignment",
     "register_worker",
     "registered_workers",
+    "unregister_worker",
     "write_assignment",
 ]
 
@@ -147,6 +150,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def register_worker(directory: str | os.PathLike[str], local_rank: int, pid: int) -> None:
     """Announce that worker ``local_rank`` (process ``pid``) can re-form in place."""
     _write_json(Path(directory) / f"worker.{local_rank}", {"pid": pid, "live": True})
+
+
+def unregister_worker(directory: str | os.PathLike[str], local_rank: int) -> None:
+    """Withdraw worker ``local_rank``'s registration (it is leaving: the agent must start
+    a new worker, not re-form this one, if its node gets a place in a later round)."""
+    with contextlib.suppress(FileNotFoundError):
+        (Path(directory) / f"worker.{local_rank}").unlink()
 
 
 def registered_workers(directory: str | os.PathLike[str]) -> dict[int, int]:

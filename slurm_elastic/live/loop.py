@@ -201,6 +201,7 @@ class ElasticLoop:
         )
         self._order: tuple[int, list[int]] | None = None
         self._leave_seen_at: float | None = None
+        self._not_in_round = False
         self._saved_step = -1
         self._total_steps: int | None = None
         self._started = False
@@ -412,7 +413,7 @@ class ElasticLoop:
     # -- the agreement ------------------------------------------------------------------------
 
     def _leaving_here(self) -> bool:
-        return notice.preemption_requested()
+        return self._not_in_round or notice.preemption_requested()
 
     def _boundary(self) -> str | None:
         leaving = self._leaving_here()
@@ -434,6 +435,16 @@ class ElasticLoop:
         ready_min = -neg_min
         if any_leave and self._leave_seen_at is None:
             self._leave_seen_at = time.monotonic()
+        if ready_max > 0 and not leaving and self.world.pending_round() != ready_max - 1:
+            # A rank verified that every rank of round ready_max - 1 announced itself in
+            # its store, and this one holds no assignment for it: its node has no place
+            # in that round (the new round filled max_nodes and its agent waits as a
+            # spare). Leave at the next boundary like a node with notice, so the others
+            # switch without a rollback; the agent starts new workers if promoted. (No
+            # early return: the rest of this boundary, a save included, is collective.)
+            log.info("not a member of round %d: leaving at the switch", ready_max - 1)
+            self._not_in_round = True
+            self.world.unregister(int(os.environ.get("LOCAL_RANK", "0")))
         if any_leave and not any_stay:
             self.save(blocking=True)  # the whole job stops: nothing finished is lost
             events.emit(events.LiveLeft(step=self.step, after="everyone_leaves"))

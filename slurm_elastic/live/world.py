@@ -197,6 +197,15 @@ class LiveWorld:
         keys = [f"ready/{r}" for r in range(pending.assignment.world_size)]
         return pending.assignment.round + 1 if pending.store.check(keys) else 0
 
+    def pending_round(self) -> int | None:
+        """The round of the assignment this worker holds and announced itself in, if any."""
+        return None if self._pending is None else self._pending.assignment.round
+
+    def unregister(self, local_rank: int) -> None:
+        """Withdraw the registration (this worker leaves; see :meth:`register`)."""
+        if self.in_place:
+            control.unregister_worker(os.environ[control.CONTROL_DIR_ENV], local_rank)
+
     # -- building blocks --------------------------------------------------------------------
 
     def _connect(self, a: control.Assignment) -> Any:
