@@ -275,7 +275,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         started = time.monotonic()
         pids = {w.local_rank: w.id for w in worker_group.workers}
         self._rendezvous(worker_group)  # the workers keep training meanwhile
-        if not self._workers_registered():
+        if control.registered_workers(self._control_dir) != pids:
             # They withdrew while this node waited for a place: the round the others
             # switched to filled max_nodes without it (it waited as a spare), so they
             # left at that switch. This round has a place: start new workers in it.
