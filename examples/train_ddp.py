@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--commit-every", type=int, default=1, help="in-memory commit period")
     p.add_argument(
+        "--async-commit",
+        action="store_true",
+        help="copy commits on a thread while the next step runs (ElasticLoop async_commit)",
+    )
+    p.add_argument(
         "--reform-timeout",
         type=float,
         default=120.0,
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint=CheckpointManager.from_env(args.checkpoint_dir, keep_last=3),
         save_every=args.save_every, leave_wait_s=args.leave_wait,
         commit_every=args.commit_every, reform_timeout_s=args.reform_timeout,
+        async_commit=args.async_commit,
     )  # fmt: skip
 
     def train_step(s: Step) -> None:

@@ -129,6 +129,10 @@ class ElasticLoop:
             everyone saves a checkpoint and the restart path takes over.
         extra: small JSON-like values stored in every checkpoint.
         save_each_epoch: also checkpoint after the last step of every epoch.
+        async_commit: copy the periodic commits' parameters and optimizer state on a
+            thread while the next step's forward and backward run (the optimizer's
+            step waits for it); only for step functions that change parameters in
+            ``optimizer.step()`` alone.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class ElasticLoop:
         leave_wait_s: float = 30.0,
         extra: dict[str, Any] | None = None,
         save_each_epoch: bool = False,
+        async_commit: bool = False,
     ) -> None:
         if commit_every < 1:
             raise ValueError(f"commit_every={commit_every} must be >= 1")
@@ -181,6 +186,7 @@ class ElasticLoop:
         self.leave_wait_s = leave_wait_s
         self.extra = dict(extra or {})
         self.save_each_epoch = save_each_epoch
+        self.async_commit = async_commit
         #: the ``extra`` of the checkpoint resumed from (empty otherwise)
         self.resume_extra: dict[str, Any] = {}
         #: the world size the checkpoint resumed from was saved at (None: no checkpoint)
@@ -472,7 +478,7 @@ class ElasticLoop:
             self._recover("a peer left and no new round formed")
             return None
         if self.step % self.commit_every == 0:
-            self._commit()
+            self.world.commit(self.step, background=self.async_commit)
         epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step > 0
         if epoch_done or (self.save_every and self.step % self.save_every == 0):
             self.save(blocking=False)

@@ -1,11 +1,16 @@
 """``ElasticState``: training state kept in host memory, rolled back and shared with peers.
 
 The user registers the model, the optimizer, the LR scheduler and counters once.
-:meth:`ElasticState.commit` copies them to host memory (a synchronous copy of parameters
-and optimizer state: cheap next to a step for the models this targets; asynchronous
-copies are not implemented), :meth:`ElasticState.restore` puts the last commit back
+:meth:`ElasticState.commit` copies them to host memory, :meth:`ElasticState.restore` puts the last commit back
 (after a failed collective), :meth:`ElasticState.sync` sends the committed state of one
 rank to all (newcomers get it from a survivor: no disk read, no restart).
+
+A commit with ``background=True`` copies parameters and optimizer state on a thread,
+off the critical path: they change only in ``optimizer.step()``, and a step pre-hook on
+the optimizer waits for the copy first, so the next step's forward and backward overlap
+it (buffers, scheduler and counters, which a forward may change, are copied at once).
+Whoever changes parameters outside ``optimizer.step()`` must call :meth:`ElasticState.wait`
+first, or commit in the foreground (the default).
 
 The model keeps its ``Parameter`` objects across restore/sync (``load_state_dict`` copies
 into them), so an optimizer built on them stays valid and is never rebuilt. The
@@ -16,6 +21,7 @@ same-device tensors, which would otherwise alias (and later overwrite) the commi
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +73,9 @@ class ElasticState:
         self.counters: dict[str, Any] = dict(counters)
         self._commit: dict[str, Any] | None = None
         self._commit_id: tuple[int, int] = (-1, -1)
+        self._copying: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+        self._hooked = False
 
     @property
     def committed(self) -> bool:
@@ -100,14 +109,55 @@ class ElasticState:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
         self.counters.update(copy.deepcopy(dict(snap["counters"])))
 
-    def commit(self, commit_id: tuple[int, int] = (0, 0)) -> None:
+    def commit(self, commit_id: tuple[int, int] = (0, 0), *, background: bool = False) -> None:
         """Snapshot the current state as the one to roll back to and to share.
 
         Args:
             commit_id: ``(round, step)`` identifying the commit (see :attr:`commit_id`).
+            background: copy parameters and optimizer state on a thread (see the module
+                docstring); everything that reads the commit waits for it.
         """
-        self._commit = self.snapshot()
+        self.wait()
+        if not background or self.optimizer is None:
+            self._commit = self.snapshot()
+            self._commit_id = commit_id
+            return
+        if not self._hooked:  # parameters and optimizer state change in step() only
+            self.optimizer.register_step_pre_hook(lambda *_: self.wait())
+            self._hooked = True
+        live = self.model.state_dict()
+        buffers = {name for name, _ in self.model.named_buffers()}
+        now = {k: _host_copy(v) for k, v in live.items() if k in buffers}
+        optimizer = self.optimizer.state_dict()  # references the live state tensors
+        snap: dict[str, Any] = {"counters": copy.deepcopy(self.counters)}
+        if self.scheduler is not None:
+            snap["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+
+        def copy_rest() -> None:
+            try:
+                snap["model"] = {k: now[k] if k in now else _host_copy(v) for k, v in live.items()}
+                snap["optimizer"] = _host_copy(optimizer)
+            except BaseException as exc:  # re-raised by wait()
+                self._copy_error = exc
+
+        self._commit = snap
         self._commit_id = commit_id
+        self._copying = threading.Thread(target=copy_rest, name="elastic-commit", daemon=True)
+        self._copying.start()
+
+    def wait(self) -> None:
+        """Wait for a background commit's copy to finish.
+
+        Raises:
+            RuntimeError: the copy failed (the commit is dropped).
+        """
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.join()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            self._commit, self._commit_id = None, (-1, -1)
+            raise RuntimeError(f"the background commit copy failed: {error}") from error
 
     def restore(self) -> None:
         """Roll back to the last commit.
@@ -115,6 +165,7 @@ class ElasticState:
         Raises:
             RuntimeError: nothing was committed.
         """
+        self.wait()
         if self._commit is None:
             raise RuntimeError("ElasticState.restore() before any commit(): commit first")
         self.load(self._commit)
@@ -126,6 +177,7 @@ class ElasticState:
             src: the rank whose commit is sent (it must have one).
             group: the process group (default: the world).
         """
+        self.wait()
         payload: list[Any] = [None]
         if dist.get_rank(group) == src:
             if self._commit is None:

@@ -142,9 +142,9 @@ class LiveWorld:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def commit(self, step: int) -> None:
-        """Commit the live state as ``(round, step)``."""
-        self.state.commit((self.round, step))
+    def commit(self, step: int, *, background: bool = False) -> None:
+        """Commit the live state as ``(round, step)`` (see :meth:`ElasticState.commit`)."""
+        self.state.commit((self.round, step), background=background)
         self.dirty = False
 
     # -- start ------------------------------------------------------------------------------

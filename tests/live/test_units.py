@@ -4,6 +4,7 @@ classification, the agent's monotonic hang watchdog and its use of torch's loop.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,40 @@ def test_agent_uses_torchs_monitor_loop() -> None:
     assert SlurmElasticAgent._invoke_run is SimpleElasticAgent._invoke_run
     assert "_monitor_workers" in SlurmElasticAgent.__dict__
     assert "_restart_workers" in SlurmElasticAgent.__dict__
+
+
+def test_background_commit_is_the_state_at_commit_time_although_the_optimizer_steps_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A slow copy (every tensor copy sleeps) makes the race certain: without the
+    # optimizer's step pre-hook, the next step would change the parameters mid-copy.
+    from slurm_elastic.live import state as state_module
+
+    real_copy = state_module._host_copy
+
+    def slow_copy(value: object) -> object:
+        if isinstance(value, torch.Tensor):
+            time.sleep(0.02)
+        return real_copy(value)
+
+    monkeypatch.setattr(state_module, "_host_copy", slow_copy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 256)).square().sum().backward()
+        opt.step()
+
+    step()
+    state = ElasticState(model, opt, step=1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}  # buffers too
+    momentum = opt.state[model[0].weight]["momentum_buffer"].clone()
+    for _ in range(3):
+        state.commit((0, 1), background=True)
+        step()  # at once: the step pre-hook must wait for the copy
+        step()
+        state.restore()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+        assert torch.equal(opt.state[model[0].weight]["momentum_buffer"], momentum)
