@@ -30,8 +30,14 @@ our restart, 0 steps lost; ``hard_*``: in place recovers <= eviction window + 1 
 within the limit is reported as the limit with ``baseline_is_lower_bound`` (the ratio is
 then an upper bound).
 
-``--quick``: N=2, events join/leave/hard_nonstore (< ~4 min here). Prints a table and one
-JSON line per case (bench, case, ours, baseline, ratio, target, ok, unit, ...).
+Every event runs all three systems (``--systems`` to choose); each event gives two case
+lines: in place against the baseline its target names (join/leave: our restart path;
+hard/crash: torchrun) and against the other one (reported).
+
+``--quick``: N=2, events join/leave/hard_nonstore, each with its target baseline only
+(< ~4 min here); the full run (N=4, five events, three systems) takes ~30 min here.
+Prints a table and one JSON line per case (bench, case, ours, baseline, ratio, target,
+ok, unit, ...).
 """
 
 from __future__ import annotations
