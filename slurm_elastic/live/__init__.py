@@ -12,6 +12,8 @@ Contract:
 * :class:`ElasticLoop` runs the whole protocol around the user's step function (a
   script stays within a few lines of plain DDP; ``examples/train_ddp.py``);
 * :class:`ElasticState` is the state API underneath (``commit`` / ``restore`` / ``sync``);
+* :mod:`~slurm_elastic.live.world` re-forms the process group (``LiveWorld``), the loop
+  decides when;
 * without the agent's control channel, or with ``SLURM_ELASTIC_IN_PLACE=0``, the loop
   takes the restart path (save on notice, the agent restarts the workers).
 

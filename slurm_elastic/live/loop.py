@@ -3,7 +3,9 @@
 The user gives the model, optimizer, scheduler and data size once, and a function that
 runs one step on the rank's share of the global batch (:class:`Step`). The loop owns the
 process group, the DDP wrapper, the sampler position, the in-memory commits, the
-periodic checkpoints and the protocol below.
+periodic checkpoints and the protocol below. This module decides *when* the world
+changes; :mod:`~slurm_elastic.live.world` does the change (the process group, its
+teardown order, the switch and the recovery after a failure).
 
 **At every step boundary** the ranks agree with one ``all_reduce`` (MAX over five
 integers): does any rank's node leave, does any rank stay, which new round (if any) every
