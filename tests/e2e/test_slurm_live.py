@@ -69,6 +69,11 @@ def parent_of(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def idle_nodes(client: Any) -> list[str]:
+    out = client.run(["sinfo", "--noheader", "--partition=low", "--Node", "--format=%N %t"])
+    return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == ["idle"]]
+
+
 def current_members(tmp: Path, world: int, since: float) -> dict[int, int] | None:
     """``{pid: rank}`` of the newest step run by ``world`` ranks after ``since``."""
     by_step: dict[int, dict[int, int]] = {}
@@ -85,6 +90,14 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
     if len(slurm_cluster.nodes) < 4:
         pytest.skip(reason=f"needs 4 Slurm nodes, the cluster has {slurm_cluster.nodes}")
     client = slurm_cluster.client
+    # The cluster may be shared: with a node busy the fourth task starts late (or after
+    # the run ended) and the members/spare layout below never forms. Start on 4 idle nodes.
+    wait_for(
+        lambda: len(idle_nodes(client)) >= 4,
+        600,
+        f"4 idle nodes (busy: {client.run(['squeue', '--noheader']).stdout})",
+        interval=2,
+    )
     train_args = [
         "--steps", "1200", "--dataset-size", str(DATASET), "--global-batch", "12",
         "--save-every", "50", "--step-time", "0.1",
