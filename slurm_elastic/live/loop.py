@@ -210,6 +210,10 @@ class ElasticLoop:
         self._order: tuple[int, list[int]] | None = None
         self._leave_seen_at: float | None = None
         self._not_in_round = False
+        # In place, the agent that started this worker; if it dies (SIGKILL does not take
+        # the children along), this worker leaves instead of training on as an orphan.
+        self._agent_pid = os.getppid() if self.in_place else None
+        self._orphaned = False
         self._saved_step = -1
         self._total_steps: int | None = None
         self._started = False
@@ -421,7 +425,10 @@ class ElasticLoop:
     # -- the agreement ------------------------------------------------------------------------
 
     def _leaving_here(self) -> bool:
-        return self._not_in_round or notice.preemption_requested()
+        if self._agent_pid is not None and not self._orphaned and os.getppid() != self._agent_pid:
+            log.warning("agent %d is gone: leaving at the switch", self._agent_pid)
+            self._orphaned = True
+        return self._orphaned or self._not_in_round or notice.preemption_requested()
 
     def _boundary(self) -> str | None:
         leaving = self._leaving_here()

@@ -224,3 +224,36 @@ def test_without_membership_change_in_place_equals_the_restart_path_bitwise(
         outs.append(torch.load(tmp / "out.pt"))
     assert outs[0].keys() == outs[1].keys()
     assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+
+
+def test_workers_of_a_sigkilled_agent_leave_instead_of_training_on_as_orphans(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    # Finding 9 (docs/reliability.md): a SIGKILL of the agent alone leaves its workers
+    # alive (reparented); they kept training in the old round and the survivors never
+    # switched. They must leave at the survivors' switch (no rollback).
+    steps, pace = 500, 0.05
+    a = LiveRun(tmp_path, "orphan1", "1:2", "a", steps=steps, step_time=pace)
+    b = LiveRun(tmp_path, "orphan1", "1:2", "b", steps=steps, step_time=pace)
+    nodes += [a, b]
+    wait_for(
+        lambda: len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4,
+        120,
+        "a world of 4 training",
+    )
+    a_pids, b_pids = a.worker_pids(), b.worker_pids()
+    b.signal(signal.SIGKILL)  # the agent only: its workers live on
+    b.wait(10)
+    wait_for(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in b_pids),
+        60,
+        "the dead agent's workers to exit",
+    )
+    assert a.wait(150) == ExitCode.FINISHED, a.log()
+
+    records = ledger(tmp_path)
+    last = [r for r in records if r["step"] == steps]
+    assert {r["pid"] for r in last} == a_pids and {r["world"] for r in last} == {2}
+    assert redone_steps(records) == 0  # they left at the switch: nothing rolled back
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
