@@ -11,8 +11,8 @@ for ``--from-jsonl``), and replaces the text between ``<!-- bench:<name>:begin -
 ``<!-- bench:<name>:end -->`` in docs/performance.md with a table of them, stamped with
 the date, the mode (quick/full) and the machine. The hand-written analysis around the
 markers is not touched: re-read it when numbers move. A bench that fails keeps its old
-table and makes the exit status 1. ``startup`` and ``fault_matrix``-style benches that
-need the local Slurm cluster expect ``SLURM_CONF`` in the environment.
+table and makes the exit status 1. ``startup`` and ``goodput`` need the local Slurm
+cluster (``SLURM_CONF`` in the environment; ``goodput`` wants its 4 nodes idle).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ BENCHES = {
     "rendezvous": "bench/rendezvous.py",
     "startup": "bench/startup.py",
     "soak": "bench/soak.py",
+    "recovery": "bench/recovery.py",
+    "goodput": "bench/goodput.py",  # needs the local Slurm cluster with all 4 nodes idle
 }
 
 
