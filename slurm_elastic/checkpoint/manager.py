@@ -318,7 +318,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load_latest(
-        self, map_location: Any = "cpu", *, mmap: bool = False
+        self, map_location: Any = "cpu", *, mmap: bool | None = None
     ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint that is complete and verifies.
 
@@ -328,8 +328,11 @@ class CheckpointManager:
 
         Args:
             map_location: as for ``torch.load``.
-            mmap: map the file instead of reading it (less memory; but the mapping keeps the
-                file busy: on NFS retention then cannot remove its directory).
+            mmap: map the file instead of reading it into fresh memory (less memory, faster;
+                the tensors are copy-on-write views, the file is never changed). ``None``
+                (the default) maps a ``state.bin`` unless the checkpoint directory is on NFS,
+                where a live mapping keeps the file busy and retention could not remove its
+                directory; ``True``/``False`` force it.
 
         Returns:
             The checkpoint, or ``None`` if there is none (first run).
@@ -358,12 +361,15 @@ class CheckpointManager:
                 return None if box[0] is None else self.load(box[0], map_location, mmap=mmap)
         return loaded
 
-    def load(self, step: int, map_location: Any = "cpu", *, mmap: bool = False) -> LoadedCheckpoint:
+    def load(
+        self, step: int, map_location: Any = "cpu", *, mmap: bool | None = None
+    ) -> LoadedCheckpoint:
         """Load checkpoint ``step``; every byte is verified before anything is parsed.
 
         The checkpoint directory, the manifest and the data file must be owned by this user
         and not writable by others. A ``state.bin`` file is read once into memory (or
-        mapped, with ``mmap``) with its CRC32 computed alongside; only a match is parsed.
+        mapped: see :meth:`load_latest` for ``mmap``) with its CRC32 computed alongside;
+        only a match is parsed.
         A ``state.pt`` file (``torch.save``) is CRCed first, then ``torch.load`` reads it.
 
         Raises:

@@ -180,14 +180,51 @@ def _torch_save(state: Any, directory: Path, on_bytes: Callable[[int], None]) ->
     return FileRecord(TORCH_FILE, writer.size, writer.crc)
 
 
+#: Filesystems where a mapped file keeps its directory busy (NFS "silly rename": a
+#: ``.nfsXXXX`` file appears and retention's rmdir fails while a mapping lives).
+_NO_MAP_FS = ("nfs", "nfs4")
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``/proc/self/mountinfo``), ``""`` if unknown."""
+    target = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                mount = fields[4].replace("\\040", " ")
+                fstype = line.split(" - ", 1)[1].split()[0]
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fstype
+    except OSError:
+        return ""
+    return kind
+
+
+def map_by_default(directory: Path) -> bool:
+    """Whether a load maps ``state.bin`` when the caller did not say: yes, except on NFS."""
+    return filesystem_type(directory) not in _NO_MAP_FS
+
+
 def read_state(
-    directory: Path, record: FileRecord, map_location: Any, *, weights_only: bool, mmap: bool
+    directory: Path,
+    record: FileRecord,
+    map_location: Any,
+    *,
+    weights_only: bool,
+    mmap: bool | None,
 ) -> Any:
     """Load the data file ``record`` of a checkpoint whose trust and sizes the store checked.
 
     Every byte is checked against the record's CRC32 before anything is parsed: the
     container verifies while it reads (one pass); a ``torch.save`` file is CRCed first,
-    then ``torch.load`` reads it from the page cache.
+    then ``torch.load`` reads it from the page cache. ``mmap=None`` maps a ``state.bin``
+    (copy-on-write; less memory and no page faults on fresh memory) unless the directory
+    is on NFS, and reads a ``state.pt`` into memory.
 
     Raises:
         CheckpointError: a ``torch.save`` file needs ``weights_only=False`` (never skipped
@@ -201,7 +238,7 @@ def read_state(
             expected_size=record.bytes,
             expected_crc=record.crc32,
             map_location=map_location,
-            use_mmap=mmap,
+            use_mmap=map_by_default(directory) if mmap is None else mmap,
         )
     if record.name != TORCH_FILE:
         raise CheckpointCorruptError(f"checkpoint {directory} has no state file ({record.name})")
@@ -216,7 +253,7 @@ def read_state(
         )
     try:
         # verified just above (and the store checked owner and mode)
-        options = {"map_location": map_location, "weights_only": weights_only, "mmap": mmap}
+        options = {"map_location": map_location, "weights_only": weights_only, "mmap": bool(mmap)}
         return torch.load(path, **options)  # verified
     except Exception as exc:
         if weights_only and "weights_only" in str(exc):

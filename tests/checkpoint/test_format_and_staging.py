@@ -7,6 +7,7 @@ the training loop's next step provably runs while the copy has not been made.
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 from collections import OrderedDict
@@ -18,7 +19,7 @@ import torch
 from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-from slurm_elastic.checkpoint import _faults
+from slurm_elastic.checkpoint import _faults, serializer
 from slurm_elastic.checkpoint.manager import CheckpointManager
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
 from slurm_elastic.checkpoint.serializer import STATE_FILE, TORCH_FILE
@@ -114,6 +115,29 @@ def test_every_supported_value_roundtrips_without_pickle(tmp_path: Path) -> None
         lin.load_state_dict(loaded["model"])
         loaded["bf16"].add_(1)  # writable (mmap: copy-on-write, the file is unchanged)
     assert torch.equal(mgr.load(1).state["bf16"], state["bf16"])
+
+
+def _mapped_files() -> set[str]:
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split()) > 5}
+
+
+def test_the_default_load_maps_state_bin_except_on_nfs(tmp_path: Path) -> None:
+    mgr = CheckpointManager(tmp_path)
+    mgr.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, 1)
+    data = str(tmp_path / "step_1" / STATE_FILE)
+    assert serializer.filesystem_type(tmp_path) not in ("", "nfs", "nfs4")
+    loaded = mgr.load_latest()
+    assert loaded is not None and data in _mapped_files()  # mapped, not read into memory
+    loaded.state["w"].add_(1)  # copy-on-write: the checkpoint is unchanged
+    assert torch.equal(mgr.load(1, mmap=False).state["w"], torch.arange(1 << 16).float())
+    del loaded
+    gc.collect()
+    assert data not in _mapped_files()
+    # on NFS a live mapping keeps the file busy (silly rename): read it into memory instead
+    assert serializer.map_by_default(tmp_path)
+    assert "nfs" in serializer._NO_MAP_FS and "nfs4" in serializer._NO_MAP_FS
+    assert serializer.filesystem_type(Path("/proc/self")) == "proc"
 
 
 def test_a_state_the_format_cannot_hold_falls_back_to_torch_save(tmp_path: Path) -> None:
