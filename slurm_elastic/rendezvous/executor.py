@@ -7,6 +7,8 @@ Split from :mod:`.handler`, which builds these per agent:
   compare-and-set backoff, join intents (:mod:`.join_intents`) and the last call timed
   on this node's monotonic clock;
 * :class:`ReformJoinOp`: torch's join plus prompt re-formation;
+* :class:`ReseatExitOp`: a member leaves its completed round by reopening it with
+  the round's members kept seated (instead of torch's exit-then-join);
 * :class:`LeaveOp`: leave without closing the run.
 """
 
@@ -40,11 +42,20 @@ from slurm_elastic.rendezvous.torch_compat import (
     _DistributedRendezvousOpExecutor,
     _NodeDesc,
     _RendezvousContext,
+    _RendezvousExitOp,
     _RendezvousJoinOp,
     _RendezvousState,
 )
 
-__all__ = ["CounterStateHolder", "LeaveOp", "PollingOpExecutor", "ReformJoinOp"]
+__all__ = [
+    "RESEAT",
+    "TO_SPARES",
+    "CounterStateHolder",
+    "LeaveOp",
+    "PollingOpExecutor",
+    "ReformJoinOp",
+    "ReseatExitOp",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +67,22 @@ _MAX_BATCH_ESTIMATE = 2048
 # measurement says it passed (or not): torch compares it with its wall clock.
 _PAST = datetime.min.replace(tzinfo=timezone.utc)
 _FUTURE = datetime.max.replace(tzinfo=timezone.utc)
+
+
+class _OwnAction:
+    """A state change of our own (torch's ``_Action`` enum cannot be extended)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+#: Reopen this node's completed round as the next one, its members kept seated.
+RESEAT = _OwnAction("RESEAT")
+#: Move this node from the wait list to the redundancy list (the round is full).
+TO_SPARES = _OwnAction("TO_SPARES")
 
 
 class CounterStateHolder(_BackendRendezvousStateHolder):
@@ -171,6 +198,10 @@ class PollingOpExecutor(_DistributedRendezvousOpExecutor):
                 self.withdraw_intent()
             if action == _Action.FINISH:
                 continue
+            if action is RESEAT or action is TO_SPARES:
+                self._reseat() if action is RESEAT else self._to_spares()
+                self._holder.mark_dirty()
+                continue
             if action == _Action.ERROR_CLOSED:
                 raise RendezvousClosedError(
                     f"the rendezvous of run {self._settings.run_id!r} is closed (the run "
@@ -274,6 +305,31 @@ class PollingOpExecutor(_DistributedRendezvousOpExecutor):
                 time.sleep(random.uniform(0, _SLOT_S * 4))
                 self._holder.invalidate()
 
+    def _reseat(self) -> None:
+        """Open the next round with this completed round's participants seated.
+
+        One compare-and-set: between a member's exit and its join (torch's way) the
+        newcomers on the wait list could take every seat of the next round while this
+        member's workers still train in the old one.
+        """
+        state = self._state
+        state.round += 1
+        state.complete = False
+        for node in state.participants:
+            state.participants[node] = 0
+        state.deadline = None
+        self._keep_alive()
+        if len(state.participants) >= self._settings.min_nodes:
+            state.deadline = datetime.now(timezone.utc) + self._settings.timeout.last_call
+        if len(state.participants) >= self._settings.max_nodes:
+            self._mark_rendezvous_complete()
+
+    def _to_spares(self) -> None:
+        """Wait as a spare: the round is complete and full (else members re-form forever)."""
+        self._state.wait_list.discard(self._node)
+        self._state.redundancy_list.add(self._node)
+        self._keep_alive()
+
     def _record(self, message: str, node_state: Any = None) -> None:
         # Torch's version builds an event with inspect.stack() (milliseconds of CPU per
         # call, and per state change); our own events cover the lifecycle.
@@ -357,20 +413,31 @@ class PollingOpExecutor(_DistributedRendezvousOpExecutor):
 class ReformJoinOp(_RendezvousJoinOp):
     """Torch's join, plus: a re-formation completes once nobody else is expected.
 
-    In a round after the first, every member of the previous round has already left it
-    (that is what started this round) and the nodes that will join are on the wait
+    In a round after the first, the members of the previous round are already seated
+    (:class:`ReseatExitOp`) or have left, and the nodes that will join are on the wait
     list. Once the wait list is empty, ``min_nodes`` have joined and a short grace
     (for nodes between two state writes) has passed, waiting the rest of the last
     call only delays recovery: the round completes. A node that turns up later is a
-    late joiner as usual (it waits and the members restart).
+    late joiner as usual (it waits and the members restart). A node on the wait list
+    of a complete round that is full moves to the redundancy list (:data:`TO_SPARES`):
+    with the members seated first, a re-formation could not seat it, and waiting on
+    the list would make the members re-form over and over.
     """
 
     def __init__(self, grace: timedelta, elapsed: Callable[[], float | None]) -> None:
         self._grace = grace.total_seconds()
         self._elapsed = elapsed
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> Any:
         state = ctx.state
+        if (
+            not state.closed
+            and state.complete
+            and ctx.node in state.wait_list
+            and len(state.participants) >= ctx.settings.max_nodes
+            and time.monotonic() <= deadline
+        ):
+            return TO_SPARES
         if (
             not state.closed
             and not state.complete
@@ -383,6 +450,42 @@ class ReformJoinOp(_RendezvousJoinOp):
         ):
             return _Action.MARK_RENDEZVOUS_COMPLETE
         return super().__call__(ctx, deadline)
+
+
+class ReseatExitOp:
+    """Leave the round this node last completed, keeping its members seated.
+
+    Torch's exit removes the node from the participants; the last one out opens the
+    next round, which every node then joins anew: newcomers on the wait list can fill
+    ``max_nodes`` before a member that was training rejoins, and that member's workers
+    train on in the old round while the newcomers start a second training. Here:
+
+    * this node is a participant of ``seated_round``, still the current, complete
+      round: reopen it as the next round with all its participants seated
+      (:data:`RESEAT`, one compare-and-set); newcomers get the remaining seats;
+    * this node is a participant of a later round: another member reopened it with
+      this node seated: nothing to leave;
+    * otherwise (first round of this handler, a closed run): torch's exit.
+
+    Args:
+        seated_round: the round this node last completed, or None.
+    """
+
+    def __init__(self, seated_round: int | None) -> None:
+        self._seated = seated_round
+        self._torch_exit = _RendezvousExitOp()
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> Any:
+        state = ctx.state
+        if self._seated is None or state.closed or ctx.node not in state.participants:
+            return self._torch_exit(ctx, deadline)
+        if time.monotonic() > deadline:
+            return _Action.ERROR_TIMEOUT
+        if state.round == self._seated and state.complete:
+            return RESEAT
+        if state.round > self._seated:
+            return _Action.FINISH  # seated in a later round by another member
+        return self._torch_exit(ctx, deadline)
 
 
 class LeaveOp:

@@ -23,6 +23,12 @@ Changed, and why:
   cheap ``head`` pointer with a backoff from ``poll_interval`` to 0.25 s and re-reads the
   state as soon as its generation changes; a node that lost a compare-and-set backs off
   a random few milliseconds (fewer collisions when many nodes start at once).
+* **Members seated first**: a member re-joining from its completed round reopens it
+  as the next round with all its participants seated (one compare-and-set,
+  :class:`~slurm_elastic.rendezvous.executor.ReseatExitOp`) instead of torch's
+  exit-then-join, so newcomers get only the remaining seats and a node whose workers
+  still train is never left out by them; a waiting node that finds the round complete
+  and full waits as a spare (redundancy list) instead of making members re-form.
 * **Workers' store**: owned per round by
   :class:`~slurm_elastic.rendezvous.worker_store.WorkerStoreOwner`.
 * **Requeue safety**: the epoch is chosen by
@@ -54,6 +60,7 @@ from slurm_elastic.rendezvous.executor import (
     LeaveOp,
     PollingOpExecutor,
     ReformJoinOp,
+    ReseatExitOp,
 )
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
 from slurm_elastic.rendezvous.join_intents import (
@@ -67,7 +74,6 @@ from slurm_elastic.rendezvous.torch_compat import (
     RendezvousTimeout,
     _NodeDesc,
     _remove_participant_epilogue,
-    _RendezvousExitOp,
     _RendezvousState,
 )
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
@@ -172,6 +178,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._thread: threading.Thread | None = None
         self._round: int | None = None
         self._round_members: frozenset[_NodeDesc] | None = None
+        self._seated_round: int | None = None  # the round join_round last completed
         self._active = False
         atexit.register(_leave_at_exit, weakref.ref(self))
 
@@ -328,13 +335,14 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             ``(round, {node: rank})`` of the completed round.
         """
         with self._heartbeat_lock:
-            self._op_executor.run(_RendezvousExitOp(), deadline)
+            self._op_executor.run(ReseatExitOp(self._seated_round), deadline)
             self._op_executor.run(
                 ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
                 deadline,
                 self._get_deadline,
             )
             state = self._holder.state
+            self._seated_round = state.round
             return state.round, dict(state.participants)
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -440,6 +448,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             self._op_executor.run(LeaveOp(), self._get_deadline(self._settings.timeout.close))
         self._monitor.remove()
         self._round_members = None
+        self._seated_round = None
         log.info("rendezvous %r: node %s left", self._settings.run_id, self._node_name)
         events.emit(events.RendezvousLeft(node=self._node_name))
 

@@ -257,3 +257,48 @@ def test_workers_of_a_sigkilled_agent_leave_instead_of_training_on_as_orphans(
     assert redone_steps(records) == 0  # they left at the switch: nothing rolled back
     assert_each_sample_once(records, steps)
     assert_close_to_reference(tmp_path, steps)
+
+
+def test_newcomers_filling_max_nodes_seat_the_training_member_first(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    # One node trains alone (1:4), then max_nodes (4) newcomers start at once. Before the
+    # fix the newcomers could fill the next round while the member's agent re-joined
+    # through the wait list: they resumed from the checkpoint while the member's
+    # workers trained on in the old round (two trainings at once: steps run twice).
+    steps, pace = 400, 0.05
+    # Node a's address sorts after the newcomers' (127.0.0.0/8 is all loopback): a
+    # merge of join intents takes nodes in name order, so without seats kept for the
+    # members a would be the one left out (on separate hosts the order is arbitrary).
+    a = LiveRun(
+        tmp_path, "seat1", "1:4", "a", steps=steps, step_time=pace,
+        agent_args=("--local-addr", "127.0.0.9"),
+    )  # fmt: skip
+    nodes.append(a)
+    wait_for(lambda: steps_done(tmp_path) >= 15, 90, "node a to train alone")
+    a_pids = a.worker_pids()
+    assert len(a_pids) == 2
+    newcomers = [
+        LiveRun(tmp_path, "seat1", "1:4", name, steps=steps, step_time=pace)
+        for name in ("b", "c", "d", "e")
+    ]
+    nodes += newcomers
+    assert a.wait(200) == ExitCode.FINISHED, a.log()
+    for n in newcomers:
+        n.wait(60)
+
+    records = ledger(tmp_path)
+    # never two trainings at once: no step ran in two rounds, and the member's workers
+    # (the same processes) ran the last step in the grown world
+    twice = sorted({r["step"] for r in records if r["round"] != first_round(records, r["step"])})
+    assert redone_steps(records) == 0, f"steps run in two rounds (two trainings): {twice[:20]}"
+    last = [r for r in records if r["step"] == steps]
+    assert {r["pid"] for r in last} >= a_pids and {r["world"] for r in last} == {8}
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
+    started = [e for e in events(tmp_path, "seat1") if e["kind"] == "live.start"]
+    assert {e["resumed_from"] for e in started if e["world_size"] > 2} == {"peer"}
+
+
+def first_round(records: list[dict], step: int) -> int:
+    return min(r["round"] for r in records if r["step"] == step)

@@ -119,6 +119,7 @@ class NodeProc:
         *,
         conf: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
+        local_addr: str = "127.0.0.1",
     ) -> None:
         params = RendezvousParameters(
             "slurm",
@@ -126,7 +127,7 @@ class NodeProc:
             run_id,
             min_nodes,
             max_nodes,
-            local_addr="127.0.0.1",
+            local_addr=local_addr,
             **{**FAST_CONF, **(conf or {})},
         )
         self._conn, child = _CTX.Pipe()

@@ -204,3 +204,29 @@ def test_requeued_array_task_rejoins_the_running_array(
     r2 = [r0, requeued[0].result()]
     check_world(r2, 2)
     assert {r["epoch"] for r in r2} == {r1[0]["epoch"]}, "the running run must not be reset"
+
+
+def test_members_are_seated_before_newcomers_that_fill_max_nodes(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    # Members' addresses sort after the newcomers' (all loopback): a merge of join
+    # intents takes nodes in name order, so with torch's exit-then-join the newcomers
+    # would take every seat while the members (whose workers still train) wait.
+    members = _spawn(nodes, 2, tmp_path, "run", 1, 4, local_addr="127.0.0.9")
+    check_world(rdzv_all(members), 2)
+    newcomers = _spawn(nodes, 4, tmp_path, "run", 1, 4)
+    for n in newcomers:
+        n.send("rdzv")
+    for m in members:
+        m.call("wait_change", 10)
+    for m in members:
+        m.send("rdzv")
+    everyone = members + newcomers
+    wait_for(lambda: sum(n.ready() for n in everyone) >= 4, 30, "a world of 4")
+    assert all(m.ready() for m in members), "a member was left out by the newcomers"
+    spares = [n for n in newcomers if not n.ready()]
+    results = [n.result() for n in everyone if n not in spares]
+    check_world(results, 4)
+    assert len(spares) == 2 and all(s.proc.is_alive() for s in spares)
+    # the newcomers left over wait as spares: the members see no one waiting (no churn)
+    wait_for(lambda: all(m.call("waiting") == 0 for m in members), 10, "spares, not waiters")
