@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from slurm_elastic import events, notice
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.live import control
-from slurm_elastic.rendezvous.protocols import RoundReporting
+from slurm_elastic.rendezvous.protocols import RoundReporting, SeatKeeping
 from slurm_elastic.rendezvous.torch_compat import dynamic_handler_round
 
 __all__ = ["SlurmElasticAgent"]
@@ -274,7 +274,12 @@ class SlurmElasticAgent(LocalElasticAgent):
     def _reform_in_place(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
         pids = {w.local_rank: w.id for w in worker_group.workers}
-        self._rendezvous(worker_group)  # the workers keep training meanwhile
+        handler = worker_group.spec.rdzv_handler
+        seat = (
+            handler.keeping_seat() if isinstance(handler, SeatKeeping) else contextlib.nullcontext()
+        )
+        with seat:  # newcomers must not take every seat while these workers train
+            self._rendezvous(worker_group)  # the workers keep training meanwhile
         if control.registered_workers(self._control_dir) != pids:
             # They withdrew while this node waited for a place: the round the others
             # switched to filled max_nodes without it (it waited as a spare), so they

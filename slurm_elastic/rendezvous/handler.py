@@ -23,7 +23,8 @@ Changed, and why:
   cheap ``head`` pointer with a backoff from ``poll_interval`` to 0.25 s and re-reads the
   state as soon as its generation changes; a node that lost a compare-and-set backs off
   a random few milliseconds (fewer collisions when many nodes start at once).
-* **Members seated first**: a member re-joining from its completed round reopens it
+* **Members seated first** (in place, inside :meth:`SlurmRendezvousHandler.keeping_seat`):
+  a member re-joining from its completed round reopens it
   as the next round with all its participants seated (one compare-and-set,
   :class:`~slurm_elastic.rendezvous.executor.ReseatExitOp`) instead of torch's
   exit-then-join, so newcomers get only the remaining seats and a node whose workers
@@ -44,6 +45,8 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +77,7 @@ from slurm_elastic.rendezvous.torch_compat import (
     RendezvousTimeout,
     _NodeDesc,
     _remove_participant_epilogue,
+    _RendezvousExitOp,
     _RendezvousState,
 )
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
@@ -179,6 +183,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._round: int | None = None
         self._round_members: frozenset[_NodeDesc] | None = None
         self._seated_round: int | None = None  # the round join_round last completed
+        self._keep_seat = False  # inside keeping_seat(): in place, the workers still train
         self._active = False
         atexit.register(_leave_at_exit, weakref.ref(self))
 
@@ -335,7 +340,8 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             ``(round, {node: rank})`` of the completed round.
         """
         with self._heartbeat_lock:
-            self._op_executor.run(ReseatExitOp(self._seated_round), deadline)
+            exit_op = ReseatExitOp(self._seated_round) if self._keep_seat else _RendezvousExitOp()
+            self._op_executor.run(exit_op, deadline)
             self._op_executor.run(
                 ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
                 deadline,
@@ -344,6 +350,21 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             state = self._holder.state
             self._seated_round = state.round
             return state.round, dict(state.participants)
+
+    @contextmanager
+    def keeping_seat(self) -> Iterator[None]:
+        """Within: a re-join keeps this round's members seated (see ``SeatKeeping``).
+
+        Only for a change in place, while this node's workers still train: a restart
+        (workers stopped, e.g. because a member died) exits and joins as torch does, so a
+        dead member is not carried into the next round (with ``max_nodes`` members seated
+        that round would complete at once, with the dead one in it).
+        """
+        self._keep_seat = True
+        try:
+            yield
+        finally:
+            self._keep_seat = False
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; return rank, world size and this round's stores.

@@ -7,9 +7,10 @@ calls it through :class:`LeavableRendezvous` instead of probing attributes.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["LeavableRendezvous", "RoundReporting"]
+__all__ = ["LeavableRendezvous", "RoundReporting", "SeatKeeping"]
 
 
 @runtime_checkable
@@ -38,4 +39,21 @@ class RoundReporting(Protocol):
     @property
     def current_round(self) -> int | None:
         """The round last joined, or ``None``."""
+        ...
+
+
+@runtime_checkable
+class SeatKeeping(Protocol):
+    """A rendezvous whose members can re-join with their seats kept.
+
+    Inside ``keeping_seat()``, a re-join from this node's completed round reopens that
+    round as the next one with all its members seated (newcomers get only the seats
+    left), instead of torch's exit-then-join. For an in-place change only: the members'
+    workers still train, so none of them may be left out by newcomers. A restart (the
+    workers stopped, perhaps because a member died) uses torch's exit-then-join, so a
+    dead member is never carried into the next round.
+    """
+
+    def keeping_seat(self) -> AbstractContextManager[None]:
+        """A context in which ``next_rendezvous()`` keeps this round's members seated."""
         ...

@@ -12,8 +12,8 @@ One job goes through, in order:
 
 At the end: the steady survivor's worker trained through all three changes in the same
 process, the ledger has every sample exactly once per epoch, and the final parameters
-match an uninterrupted run within the e2e tolerance. The fallback to the restart path is
-covered on local agents (``tests/live``): forcing it here would cost minutes.
+match an uninterrupted run within the e2e tolerance. The fallback to the restart path
+is the second test (a 2-task array whose workers give a new round too little time).
 """
 
 from __future__ import annotations
@@ -193,5 +193,70 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
     # (the join); the loss redoes at most the step in flight (commit every step)
     assert all(t1 - 5 <= first_at[s] <= t2 for s in redone), sorted(redone)
     assert len(redone) <= 2, sorted(redone)
+    assert_each_sample_once_per_full_epoch(effective_ledger(tmp_path / "ledger.jsonl"), DATASET)
+    assert max_abs_diff(tmp_path / "params.pt", reference_params(tmp_path, train_args)) < ATOL
+
+
+def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Hard loss on a 2-task array whose workers give the new round only 0.5 s: the
+    eviction takes longer, so re-forming in place times out; the survivor's workers exit
+    and its agent restarts them from the newest checkpoint (the restart path), and the run
+    still completes exactly."""
+    client = slurm_cluster.client
+    wait_for(
+        lambda: len(idle_nodes(client)) >= 2,
+        600,
+        f"2 idle nodes (busy: {client.run(['squeue', '--noheader']).stdout})",
+        interval=2,
+    )
+    train_args = [
+        "--steps", "400", "--dataset-size", str(DATASET), "--global-batch", "12",
+        "--save-every", "20", "--step-time", "0.1", "--reform-timeout", "0.5",
+        "--out", str(tmp_path / "params.pt"), "--ledger", str(tmp_path / "ledger.jsonl"),
+    ]  # fmt: skip
+    values = job_values(
+        tmp_path, "elastic_array", train_args, nnodes="1:2", nproc_per_node=1,
+        cpus_per_task=2, partition="low", max_restarts=2,
+    )  # fmt: skip
+    job = client.submit(render("elastic_array", values))
+    try:
+        start = wait_for(
+            lambda: (m := current_members(tmp_path, 2, 0)) and max(r["step"] for r in ledger(tmp_path)) >= 40 and m,
+            400,
+            f"2 members training\n{logs(tmp_path)}",
+        )  # fmt: skip
+        keep, victim = sorted(start, key=lambda p: start[p])  # rank 0's node hosts the store
+        keep_task = task_of(keep)[0]
+        t1 = time.time()
+        for pid in (parent_of(victim), victim):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        after = wait_for(
+            lambda: current_members(tmp_path, 1, t1),
+            180,
+            f"the survivor to train again alone\n{logs(tmp_path)}",
+        )
+        (survivor,) = after
+        assert survivor != keep, "the fallback restarts the workers: a new process"
+        assert task_of(survivor)[0] == keep_task, "restarted by the surviving task's agent"
+        infos = wait_for(
+            lambda: (i := client.job_infos(job)) and all(x.state in TERMINAL for x in i) and i,
+            400,
+            f"the run to finish\n{logs(tmp_path)}",
+        )
+        states = sorted(i.state for i in infos)
+        assert JobState.COMPLETED in states, infos
+    finally:
+        client.cancel(job)
+
+    records = ledger(tmp_path)
+    last_step = max(r["step"] for r in records)
+    assert {r["pid"] for r in records if r["step"] == last_step} == {survivor}
+    # resumed from a checkpoint: the steps since the newest save (every 20) are redone
+    first_after = min(r["step"] for r in records if r["pid"] == survivor)
+    done_before = max(r["step"] for r in records if r["time"] < t1)
+    assert done_before - 21 <= first_after - 1 <= done_before, (first_after, done_before)
     assert_each_sample_once_per_full_epoch(effective_ledger(tmp_path / "ledger.jsonl"), DATASET)
     assert max_abs_diff(tmp_path / "params.pt", reference_params(tmp_path, train_args)) < ATOL

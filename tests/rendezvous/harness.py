@@ -62,10 +62,14 @@ def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) 
             if cmd == "create":
                 handler = create_handler(params)
                 conn.send(("ok", {"node": handler.node, "epoch": handler.epoch.number}))
-            elif cmd == "rdzv":
+            elif cmd in ("rdzv", "rdzv_seated"):
                 assert handler is not None
                 t0 = time.monotonic()
-                info = handler.next_rendezvous()
+                if cmd == "rdzv_seated":  # an in-place re-join: the workers still train
+                    with handler.keeping_seat():
+                        info = handler.next_rendezvous()
+                else:
+                    info = handler.next_rendezvous()
                 took = time.monotonic() - t0
                 si = info.bootstrap_store_info
                 info.store.set(f"agent{info.rank}", "x")  # the agent control-plane store

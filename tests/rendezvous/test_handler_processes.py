@@ -220,7 +220,7 @@ def test_members_are_seated_before_newcomers_that_fill_max_nodes(
     for m in members:
         m.call("wait_change", 10)
     for m in members:
-        m.send("rdzv")
+        m.send("rdzv_seated")  # in place: the members' workers still train
     everyone = members + newcomers
     wait_for(lambda: sum(n.ready() for n in everyone) >= 4, 30, "a world of 4")
     assert all(m.ready() for m in members), "a member was left out by the newcomers"
