@@ -353,31 +353,34 @@ def read_manifest(directory: Path) -> Manifest:
     return manifest
 
 
-def crc32_file(path: Path, *, buffer: bytearray | None = None) -> tuple[int, int]:
-    """Return ``(size, crc32)`` of a file, read once, through a read-only mapping.
+def crc32_mapping(mm: mmap.mmap, size: int, chunk: int = _CHUNK) -> int:
+    """CRC32 of the first ``size`` bytes of a mapping, in ``chunk`` pieces, while the
+    kernel reads ahead (``MADV_SEQUENTIAL``; explicit ``MADV_WILLNEED`` windows measured
+    slower here)."""
+    with suppress(OSError, AttributeError):
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    view = memoryview(mm)
+    try:
+        crc = 0
+        for start in range(0, size, chunk):
+            crc = crc32(view[start : start + chunk], crc)
+    finally:
+        view.release()
+    return crc
 
-    The file is mapped (``MADV_SEQUENTIAL``) and CRCed in 8 MiB chunks: the kernel's
-    read-ahead keeps the disk busy while this thread computes, with no copy into a user
-    buffer (explicit ``MADV_WILLNEED`` windows measured slower here). The pages stay
-    in the page cache, where ``torch.load`` finds them. ``buffer`` is ignored (kept for
-    compatibility). A symbolic link is refused.
+
+def crc32_file(path: Path) -> tuple[int, int]:
+    """Return ``(size, crc32)`` of a file, read once, through a read-only mapping
+    (:func:`crc32_mapping`: no copy into a user buffer). The pages stay in the page
+    cache, where ``torch.load`` finds them. A symbolic link is refused.
     """
-    del buffer
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
             return 0, 0
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-            with suppress(OSError, AttributeError):
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mm)
-            try:
-                crc = 0
-                for start in range(0, size, _CHUNK):
-                    crc = crc32(view[start : start + _CHUNK], crc)
-            finally:
-                view.release()
+            crc = crc32_mapping(mm, size)
     finally:
         os.close(fd)
     return size, crc
