@@ -460,31 +460,39 @@ class ReseatExitOp:
     ``max_nodes`` before a member that was training rejoins, and that member's workers
     train on in the old round while the newcomers start a second training. Here:
 
-    * this node is a participant of ``seated_round``, still the current, complete
-      round: reopen it as the next round with all its participants seated
+    * ``reseat`` and this node is a participant of ``seated_round``, still the current,
+      complete round: reopen it as the next round with all its participants seated
       (:data:`RESEAT`, one compare-and-set); newcomers get the remaining seats;
     * this node is a participant of a later round: another member reopened it with
-      this node seated: nothing to leave;
-    * otherwise (first round of this handler, a closed run): torch's exit.
+      this node seated: nothing to leave. This holds for a restart too (``reseat``
+      false): leaving that round once it completed would leave its members waiting for
+      this node's rank in the round's store;
+    * otherwise (first round of this handler, a closed run, a restart from the current
+      round): torch's exit.
 
     Args:
         seated_round: the round this node last completed, or None.
+        reseat: whether this node keeps its round's members seated (an in-place
+            re-join) or leaves the current round as torch does (a restart).
     """
 
-    def __init__(self, seated_round: int | None) -> None:
+    def __init__(self, seated_round: int | None, *, reseat: bool = True) -> None:
         self._seated = seated_round
+        self._reseat = reseat
         self._torch_exit = _RendezvousExitOp()
 
     def __call__(self, ctx: _RendezvousContext, deadline: float) -> Any:
         state = ctx.state
         if self._seated is None or state.closed or ctx.node not in state.participants:
             return self._torch_exit(ctx, deadline)
+        if state.round > self._seated:
+            return _Action.FINISH  # seated in a later round by another member
+        if not self._reseat:
+            return self._torch_exit(ctx, deadline)
         if time.monotonic() > deadline:
             return _Action.ERROR_TIMEOUT
         if state.round == self._seated and state.complete:
             return RESEAT
-        if state.round > self._seated:
-            return _Action.FINISH  # seated in a later round by another member
         return self._torch_exit(ctx, deadline)
 
 

@@ -29,7 +29,10 @@ Changed, and why:
   :class:`~slurm_elastic.rendezvous.executor.ReseatExitOp`) instead of torch's
   exit-then-join, so newcomers get only the remaining seats and a node whose workers
   still train is never left out by them; a waiting node that finds the round complete
-  and full waits as a spare (redundancy list) instead of making members re-form.
+  and full waits as a spare (redundancy list) instead of making members re-form, and
+  until it moves there the members do not count it as waiting. A member that restarts
+  (exit-then-join) and finds itself seated in the next round by another member takes
+  that seat instead of leaving it.
 * **Workers' store**: owned per round by
   :class:`~slurm_elastic.rendezvous.worker_store.WorkerStoreOwner`.
 * **Requeue safety**: the epoch is chosen by
@@ -77,7 +80,6 @@ from slurm_elastic.rendezvous.torch_compat import (
     RendezvousTimeout,
     _NodeDesc,
     _remove_participant_epilogue,
-    _RendezvousExitOp,
     _RendezvousState,
 )
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
@@ -340,7 +342,7 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             ``(round, {node: rank})`` of the completed round.
         """
         with self._heartbeat_lock:
-            exit_op = ReseatExitOp(self._seated_round) if self._keep_seat else _RendezvousExitOp()
+            exit_op = ReseatExitOp(self._seated_round, reseat=self._keep_seat)
             self._op_executor.run(exit_op, deadline)
             self._op_executor.run(
                 ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
@@ -428,7 +430,8 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """See base class; also > 0 when this node's round lost a member.
 
-        Positive when nodes wait to join, when a participant of this node's last round
+        Positive when nodes wait to join (unless the round is complete and full: no
+        seat for them, they wait as spares), when a participant of this node's last round
         left or was evicted, when the round moved on, when this node was evicted, or
         when the run was closed: each means the workers must restart (a closed run
         then makes ``next_rendezvous`` raise, ending this agent promptly).
@@ -437,6 +440,10 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             self._holder.sync()
             state = self._holder.state
             waiting = len(state.wait_list)
+            if state.complete and len(state.participants) >= self._settings.max_nodes:
+                # No seat for them: they move to the spares on their next poll (TO_SPARES)
+                # and only a member's leaving (below) opens one.
+                waiting = 0
             members = self._round_members
             if members is not None and (
                 state.closed

@@ -97,6 +97,30 @@ def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) 
                         raise TimeoutError("num_nodes_waiting stayed 0")
                     time.sleep(0.05)
                 conn.send(("ok", time.monotonic() - t0))
+            elif cmd == "plant_waiter":
+                # Test seam: put a node named ``arg`` on the wait list as one CAS, as a
+                # newcomer left over by a merge is before it moves itself to the spares.
+                from slurm_elastic.rendezvous.torch_compat import _NodeDesc
+
+                assert handler is not None
+                with handler._heartbeat_lock:
+                    for _ in range(100):
+                        handler._holder.invalidate()
+                        handler._holder.sync()
+                        handler._holder.state.wait_list.add(_NodeDesc(arg, 1, 0))
+                        handler._holder.mark_dirty()
+                        if handler._holder.sync():
+                            break
+                    else:
+                        raise RuntimeError("could not plant a waiter in 100 tries")
+                conn.send(("ok", None))
+            elif cmd == "state":  # the shared state as read now: round, complete, members
+                assert handler is not None
+                with handler._heartbeat_lock:
+                    handler._holder.invalidate()
+                    handler._holder.sync()
+                    st = handler._holder.state
+                    conn.send(("ok", (st.round, st.complete, len(st.participants))))
             elif cmd == "waiting":
                 conn.send(("ok", handler.num_nodes_waiting()))  # type: ignore[union-attr]
             elif cmd == "leave":

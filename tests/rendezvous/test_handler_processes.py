@@ -230,3 +230,44 @@ def test_members_are_seated_before_newcomers_that_fill_max_nodes(
     assert len(spares) == 2 and all(s.proc.is_alive() for s in spares)
     # the newcomers left over wait as spares: the members see no one waiting (no churn)
     wait_for(lambda: all(m.call("waiting") == 0 for m in members), 10, "spares, not waiters")
+
+
+def test_a_restarting_member_keeps_the_seat_another_member_kept_for_it(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    # Two members; one re-joins in place (keeping seats), the other restarts its
+    # workers (exit-then-join). When the first reopens the round with both seated before
+    # the second exits, the second must take that seat, not leave the new round: leaving
+    # a completed round left its members waiting 120 s for its rank in the round's store
+    # (seen in CI: two agents failed with DistStoreError).
+    m1, m2 = _spawn(nodes, 2, tmp_path, "run", 1, 4)
+    first = rdzv_all([m1, m2])
+    check_world(first, 2)
+    m1.send("rdzv_seated")
+    reseated = (first[0]["round"] + 1, True, 2)
+    wait_for(lambda: m2.call("state") == reseated, 20, "m1 to reopen the round with m2 seated")
+    m2.send("rdzv")
+    results = [m1.result(), m2.result()]
+    check_world(results, 2)
+    assert results[0]["round"] == first[0]["round"] + 1, results
+
+
+def test_a_waiter_of_a_complete_full_round_is_not_a_membership_change(
+    tmp_path: Path, nodes: list[NodeProc]
+) -> None:
+    # A newcomer left on the wait list of a round that completed full moves itself to
+    # the spares (redundancy list) on its next poll. Until then the members must not
+    # count it as waiting: no seat is free for it, and restarting for it made every
+    # newcomer of a full round restart its workers right after starting them (CI).
+    # The waiter is planted by one compare-and-set (a test seam: a real one moves to
+    # the spares within milliseconds); a long heartbeat window keeps it from eviction.
+    conf = {"heartbeat_miss_limit": "200"}
+    members = _spawn(nodes, 2, tmp_path, "run", 1, 2, conf=conf)
+    check_world(rdzv_all(members), 2)
+    members[0].call("plant_waiter", "10.9.9.9")
+    assert [m.call("waiting") for m in members] == [0, 0]
+    # with a free seat the same waiter is a membership change, as in torch
+    small = _spawn(nodes, 1, tmp_path, "run2", 1, 2, conf=conf)
+    check_world(rdzv_all(small), 1)
+    small[0].call("plant_waiter", "10.9.9.9")
+    assert small[0].call("waiting") == 1
