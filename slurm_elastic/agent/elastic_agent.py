@@ -30,7 +30,12 @@ is; this class plugs into its intended extension points:
      peer leaving: it is given back to the budget;
   4. **events** for restarts, re-formations, hangs and the end.
 
-Everything else (rank assignment, worker start/stop, the exit barrier, signal
+* ``_assign_worker_ranks`` reads the round's store through
+  :class:`~slurm_elastic.agent.round_store.RoundBoundStore`: a member that dies after
+  the round completed, before writing its rank info, breaks the round and the agent
+  joins the next one (``_rendezvous`` retries) instead of waiting out the store timeout.
+
+Everything else (rank computation, worker start/stop, the exit barrier, signal
 forwarding, metrics) is torch's.
 """
 
@@ -45,15 +50,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from slurm_elastic import events, notice
+from slurm_elastic.agent.round_store import RoundBoundStore, RoundBrokenError
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.live import control
-from slurm_elastic.rendezvous.protocols import RoundReporting, SeatKeeping
+from slurm_elastic.rendezvous.protocols import RoundReporting, RoundWatching, SeatKeeping
 from slurm_elastic.rendezvous.torch_compat import dynamic_handler_round
 
 __all__ = ["SlurmElasticAgent"]
@@ -115,6 +127,26 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._last_state = WorkerState.INIT
         self._leaving_since: float | None = None
         self._left = False
+
+    # -- rendezvous ---------------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        while True:
+            try:
+                super()._rendezvous(worker_group)
+                return
+            except RoundBrokenError as exc:
+                log.warning(
+                    "rendezvous round broken during rank assignment (%s): joining again", exc
+                )
+
+    def _assign_worker_ranks(
+        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    ) -> list[Worker]:
+        handler = spec.rdzv_handler
+        if isinstance(handler, RoundWatching):
+            store = RoundBoundStore(store, handler.round_lost)
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     # -- worker start -------------------------------------------------------------------
 

@@ -444,14 +444,26 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
                 # No seat for them: they move to the spares on their next poll (TO_SPARES)
                 # and only a member's leaving (below) opens one.
                 waiting = 0
-            members = self._round_members
-            if members is not None and (
-                state.closed
-                or state.round != self._round
-                or not members.issubset(state.participants.keys())
-            ):
+            if self._lost(state):
                 waiting = max(waiting, 1)
         return waiting
+
+    def round_lost(self) -> bool:
+        """Whether the round last joined lost a member, moved on, or the run closed.
+
+        See :class:`~slurm_elastic.rendezvous.protocols.RoundWatching`.
+        """
+        with self._heartbeat_lock:
+            self._holder.sync()
+            return self._lost(self._holder.state)
+
+    def _lost(self, state: _RendezvousState) -> bool:
+        members = self._round_members
+        return members is not None and (
+            state.closed
+            or state.round != self._round
+            or not members.issubset(state.participants.keys())
+        )
 
     @property
     def current_round(self) -> int | None:

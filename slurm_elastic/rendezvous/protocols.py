@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["LeavableRendezvous", "RoundReporting", "SeatKeeping"]
+__all__ = ["LeavableRendezvous", "RoundReporting", "RoundWatching", "SeatKeeping"]
 
 
 @runtime_checkable
@@ -39,6 +39,21 @@ class RoundReporting(Protocol):
     @property
     def current_round(self) -> int | None:
         """The round last joined, or ``None``."""
+        ...
+
+
+@runtime_checkable
+class RoundWatching(Protocol):
+    """A rendezvous that tells whether the round last joined is still whole.
+
+    ``round_lost()`` is true once a member of that round left or was evicted, the round
+    moved on, or the run was closed. The agent asks it while it waits on the round's
+    store for the other members (rank assignment): a member that died after the round
+    completed would otherwise be waited for until the store times out.
+    """
+
+    def round_lost(self) -> bool:
+        """Whether the round last joined is broken."""
         ...
 
 

@@ -15,6 +15,7 @@ from slurm_elastic.agent import ExitCode
 from slurm_elastic.events import read_events
 from tests.agent.conftest import AgentRun, agent_log, records
 from tests.helpers import wait_for
+from tests.rendezvous.harness import NodeProc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -195,3 +196,50 @@ def test_torchs_c10d_backend_also_works_under_the_agent(
     agents.append(run)
     assert run.wait(120) == ExitCode.FINISHED, agent_log(run)
     assert {(r["rank"], r["world"]) for r in starts(tmp_path)} == {(0, 2), (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ghost_addr", "agent_addr"),
+    [("127.0.0.9", "127.0.0.1"), ("127.0.0.1", "127.0.0.9")],
+    ids=["member-never-writes-its-rank-info", "store-host-dies"],
+)
+def test_a_member_lost_during_rank_assignment_makes_the_others_join_again(
+    tmp_path: Path, agents: list[AgentRun], ghost_addr: str, agent_addr: str
+) -> None:
+    # A node dies after its round completed, before it wrote its rank info to the
+    # round's store (torch's _assign_worker_ranks). Torch's agent waits for that key
+    # until the store times out (120 s) and then fails; when the dead node hosted the
+    # store it fails at once ("internal error: DistNetworkError", seen in CI). Ours joins
+    # the next round. The dying member is a handler-only process (rendezvous harness):
+    # it completes the round and never writes its rank info. Addresses order the ranks:
+    # the agent is rank 0 (waits for the member's key) or the member is (store host).
+    conf = {"heartbeat_interval": "0.5", "heartbeat_miss_limit": "3", "last_call_timeout": "1"}
+    ghost = NodeProc(tmp_path / "rdzv", "lost1", 2, 3, conf=conf, local_addr=ghost_addr)
+    try:
+        ghost.call("create")
+        ghost.send("rdzv_only")
+        a = AgentRun(
+            tmp_path, tmp_path / "rdzv", "lost1", "2:3", "--local-addr", agent_addr,
+            steps=10_000, node="a",
+        )  # fmt: skip
+        agents.append(a)
+        assert ghost.result(90)["world"] == 2
+        wait_for(lambda: "'lost1' complete: round" in agent_log(a), 60, "a to complete the round")
+        ghost.kill()  # a is in rank assignment now: waiting for the member or on its store
+    finally:
+        ghost.close()
+    b = AgentRun(tmp_path, tmp_path / "rdzv", "lost1", "2:3", steps=10_000, node="b")
+    agents.append(b)
+    # well inside the store's 120 s timeout: a rejoined instead of waiting it out
+    wait_for(
+        lambda: {r["node"] for r in starts(tmp_path) if r["world"] == 4} == {"a", "b"},
+        90,
+        "a and b in a world of 4",
+    )
+    assert a.proc.poll() is None, agent_log(a)
+    assert "round broken during rank assignment" in agent_log(a)
+    for run in (a, b):
+        os.kill(run.proc.pid, signal.SIGTERM)
+    assert a.wait(60) == ExitCode.TERMINATED
+    assert b.wait(60) == ExitCode.TERMINATED

@@ -9,6 +9,7 @@ ElasticSampler, world-size policy and training-state bundle.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 from pathlib import Path
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.1)
     args = ap.parse_args()
+    # A hang shows where: every thread's stack, then exit (before the test's 300 s).
+    faulthandler.dump_traceback_later(240, exit=True)
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -89,6 +89,10 @@ def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) 
                         },
                     )
                 )
+            elif cmd == "rdzv_only":  # join a round, then do nothing in it (no agent work)
+                assert handler is not None
+                info = handler.next_rendezvous()
+                conn.send(("ok", {"rank": info.rank, "world": info.world_size}))
             elif cmd == "wait_change":
                 t0 = time.monotonic()
                 deadline = t0 + float(arg)
