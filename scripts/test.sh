@@ -79,5 +79,5 @@ fi
 # ---------------------------------------------------------------- tests
 export PATH=$VENV/bin:$PATH
 rc=0
-"$PY" -m pytest "$@" || rc=$?
+"$PY" -m pytest --durations=40 "$@" || rc=$?
 exit "$rc"
