@@ -121,11 +121,15 @@ def main() -> None:
                 break
             if step % args.save_every == 0:  # async: training goes on while it writes
                 manager.save(training_state(model, opt, sched, **bundle_args), step, blocking=False)
-    manager.flush()
+    manager.close()
     ledger.close()
     if rank == 0 and args.out:
         torch.save({k: v.clone() for k, v in net.state_dict().items()}, args.out)
     dist.barrier()
+    # DDP goes before its process group (torch's order). With DDP still alive here, a
+    # rank hung about 1 run in 8 under load, after main() returned (faulthandler: the
+    # main thread at the call of main(), so in the destructors of its locals).
+    del model
     dist.destroy_process_group()
 
 
