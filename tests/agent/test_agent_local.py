@@ -32,6 +32,18 @@ def starts(out: Path) -> list[dict]:
     return [r for r in records(out) if r["event"] == "start"]
 
 
+def _both_train_in_a_world_of_4_then_terminate(out: Path, a: AgentRun, b: AgentRun) -> None:
+    wait_for(
+        lambda: {r["node"] for r in starts(out) if r["world"] == 4} == {"a", "b"},
+        90,
+        "nodes a and b in a world of 4",
+    )
+    for run in (a, b):
+        os.kill(run.proc.pid, signal.SIGTERM)
+    assert a.wait(60) == ExitCode.TERMINATED, agent_log(a)
+    assert b.wait(60) == ExitCode.TERMINATED, agent_log(b)
+
+
 def test_preemption_notice_lets_workers_checkpoint_and_agent_reports_preempted(
     tmp_path: Path, agents: list[AgentRun]
 ) -> None:
@@ -165,15 +177,7 @@ def test_late_joiner_grows_the_world(tmp_path: Path, agents: list[AgentRun]) -> 
     assert {r["world"] for r in starts(tmp_path)} == {2}
     b = AgentRun(tmp_path, tmp_path / "rdzv", "grow1", "1:2", steps=10_000, node="b")
     agents.append(b)
-    wait_for(
-        lambda: {r["node"] for r in starts(tmp_path) if r["world"] == 4} == {"a", "b"},
-        90,
-        "both nodes in a world of 4",
-    )
-    for run in (a, b):
-        os.kill(run.proc.pid, signal.SIGTERM)
-    assert a.wait(60) == ExitCode.TERMINATED
-    assert b.wait(60) == ExitCode.TERMINATED
+    _both_train_in_a_world_of_4_then_terminate(tmp_path, a, b)
 
 
 def test_torchs_c10d_backend_also_works_under_the_agent(
@@ -231,15 +235,6 @@ def test_a_member_lost_during_rank_assignment_makes_the_others_join_again(
         ghost.close()
     b = AgentRun(tmp_path, tmp_path / "rdzv", "lost1", "2:3", steps=10_000, node="b")
     agents.append(b)
-    # well inside the store's 120 s timeout: a rejoined instead of waiting it out
-    wait_for(
-        lambda: {r["node"] for r in starts(tmp_path) if r["world"] == 4} == {"a", "b"},
-        90,
-        "a and b in a world of 4",
-    )
-    assert a.proc.poll() is None, agent_log(a)
+    # within 90 s, well inside the store's 120 s timeout: a rejoined instead of waiting
+    _both_train_in_a_world_of_4_then_terminate(tmp_path, a, b)
     assert "round broken during rank assignment" in agent_log(a)
-    for run in (a, b):
-        os.kill(run.proc.pid, signal.SIGTERM)
-    assert a.wait(60) == ExitCode.TERMINATED
-    assert b.wait(60) == ExitCode.TERMINATED

@@ -74,6 +74,16 @@ def idle_nodes(client: Any) -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == ["idle"]]
 
 
+def wait_idle_nodes(client: Any, count: int) -> None:
+    """Wait (up to 10 min) for ``count`` idle nodes: the cluster may be shared."""
+    wait_for(
+        lambda: len(idle_nodes(client)) >= count,
+        600,
+        f"{count} idle nodes (busy at the start: {client.run(['squeue', '--noheader']).stdout})",
+        interval=2,
+    )
+
+
 def current_members(tmp: Path, world: int, since: float) -> dict[int, int] | None:
     """``{pid: rank}`` of the newest step run by ``world`` ranks after ``since``."""
     by_step: dict[int, dict[int, int]] = {}
@@ -92,12 +102,7 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
     client = slurm_cluster.client
     # The cluster may be shared: with a node busy the fourth task starts late (or after
     # the run ended) and the members/spare layout below never forms. Start on 4 idle nodes.
-    wait_for(
-        lambda: len(idle_nodes(client)) >= 4,
-        600,
-        f"4 idle nodes (busy: {client.run(['squeue', '--noheader']).stdout})",
-        interval=2,
-    )
+    wait_idle_nodes(client, 4)
     train_args = [
         "--steps", "1200", "--dataset-size", str(DATASET), "--global-batch", "12",
         "--save-every", "50", "--step-time", "0.1",
@@ -205,12 +210,7 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
     and its agent restarts them from the newest checkpoint (the restart path), and the run
     still completes exactly."""
     client = slurm_cluster.client
-    wait_for(
-        lambda: len(idle_nodes(client)) >= 2,
-        600,
-        f"2 idle nodes (busy: {client.run(['squeue', '--noheader']).stdout})",
-        interval=2,
-    )
+    wait_idle_nodes(client, 2)
     train_args = [
         "--steps", "400", "--dataset-size", str(DATASET), "--global-batch", "12",
         "--save-every", "20", "--step-time", "0.1", "--reform-timeout", "0.5",

@@ -1,7 +1,7 @@
 """Fault-matrix collection: runs in every suite; the slurmctld restart runs last.
 
-The matrix (in place, the example's default path) takes about 10 minutes of the suite on
-the 2-core CI machine. ``SLURM_ELASTIC_FAULTS=0`` skips its Slurm and slow cases for a
+The matrix (in place, the example's default path) took 9 of the full suite's 33 minutes
+on this 2-core machine. ``SLURM_ELASTIC_FAULTS=0`` skips its Slurm and slow cases for a
 quicker local run; the quick ones still run, and so do the short Slurm cases of
 :data:`DEFAULT_SUITE` (short jobs that end by themselves). The restart-path column of
 docs/reliability.md is ``python bench/fault_matrix.py`` (``FAULTS_PATH=restart``).

@@ -34,6 +34,18 @@ def _spawn(made: list[NodeProc], count: int, *args: object, **kwargs: object) ->
     return new
 
 
+def _newcomers_arrive_members_rejoin(
+    members: list[NodeProc], newcomers: list[NodeProc], rejoin: str
+) -> None:
+    """Newcomers start joining; once each member sees the change, it re-joins (``rejoin``)."""
+    for n in newcomers:
+        n.send("rdzv")
+    for m in members:
+        m.call("wait_change", 10)
+    for m in members:
+        m.send(rejoin)
+
+
 def test_three_nodes_form_one_world_and_all_reduce(tmp_path: Path, nodes: list[NodeProc]) -> None:
     group = _spawn(nodes, 3, tmp_path, "run", 3, 3)
     results = rdzv_all(group)
@@ -48,12 +60,7 @@ def test_min_nodes_forms_after_last_call_and_max_bounds_world(
     check_world(results, 2)  # formed with min after last call, not waiting for max
     # Two more arrive: the next round fills up to max (3), the 4th waits as a spare.
     extra = _spawn(nodes, 2, tmp_path, "run", 2, 3)
-    for n in extra:
-        n.send("rdzv")
-    for n in group:
-        n.call("wait_change", 10)
-    for n in group:
-        n.send("rdzv")
+    _newcomers_arrive_members_rejoin(group, extra, "rdzv")
     everyone = group + extra
     wait_for(lambda: sum(n.ready() for n in everyone) >= 3, 30, "a world of 3")
     spares = [n for n in everyone if not n.ready()]
@@ -215,12 +222,8 @@ def test_members_are_seated_before_newcomers_that_fill_max_nodes(
     members = _spawn(nodes, 2, tmp_path, "run", 1, 4, local_addr="127.0.0.9")
     check_world(rdzv_all(members), 2)
     newcomers = _spawn(nodes, 4, tmp_path, "run", 1, 4)
-    for n in newcomers:
-        n.send("rdzv")
-    for m in members:
-        m.call("wait_change", 10)
-    for m in members:
-        m.send("rdzv_seated")  # in place: the members' workers still train
+    # in place: the members' workers still train
+    _newcomers_arrive_members_rejoin(members, newcomers, "rdzv_seated")
     everyone = members + newcomers
     wait_for(lambda: sum(n.ready() for n in everyone) >= 4, 30, "a world of 4")
     assert all(m.ready() for m in members), "a member was left out by the newcomers"
