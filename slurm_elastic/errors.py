@@ -20,6 +20,9 @@ involved, and how to fix it.
     │   ├── CheckpointWriteError       ENOSPC, EACCES, EROFS ...: nothing was lost
     │   ├── CheckpointCorruptError     a checkpoint failed verification
     │   └── CheckpointMismatchError    a state does not match the model/optimizer
+    ├── StateExchangeError             a value a peer sent was refused (malformed, too
+    │                                  large, or not this rank's structure): nothing of
+    │                                  the receiver's was replaced
     └── AgentError                     the per-node agent cannot run
 """
 
@@ -39,6 +42,7 @@ __all__ = [
     "SlurmElasticError",
     "SlurmEnvError",
     "SlurmError",
+    "StateExchangeError",
 ]
 
 
@@ -102,6 +106,14 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint's state does not match the model/optimizer it is loaded into."""
+
+
+class StateExchangeError(SlurmElasticError):
+    """A value received from a peer was refused, on every rank of the exchange.
+
+    Raised when what a peer sent is malformed, larger than allowed, or does not match the
+    receiver's own state (keys, shapes, dtypes); nothing of the receiver's was replaced.
+    """
 
 
 class AgentError(SlurmElasticError):

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from slurm_elastic.checkpoint import exchange
 from slurm_elastic.errors import CheckpointMismatchError
 
 __all__ = [
@@ -121,10 +122,8 @@ def training_state(
     """
     _, world = _dist()
     rng: list[dict[str, Any]] = [capture_rng()]
-    if world > 1:
-        gathered: list[Any] = [None] * world
-        torch.distributed.all_gather_object(gathered, rng[0])
-        rng = gathered
+    if world > 1:  # tensors and plain values, never a pickle from a peer
+        rng = exchange.all_gather(rng[0])
     bundle: dict[str, Any] = {
         "model": _unwrap(model).state_dict(),
         "progress": {

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import itertools
 import json
 import mmap
 import os
@@ -55,7 +56,17 @@ import torch
 from slurm_elastic.checkpoint.manifest import crc32, crc32_mapping
 from slurm_elastic.errors import CheckpointCorruptError
 
-__all__ = ["MAGIC", "Unsupported", "encode", "read_container", "write_container"]
+__all__ = [
+    "DTYPES",
+    "MAGIC",
+    "Unsupported",
+    "check_records",
+    "decode_tree",
+    "encode",
+    "encode_tree",
+    "read_container",
+    "write_container",
+]
 
 MAGIC = b"SLECKPT1"
 _PREFIX = struct.Struct("<8sQ")
@@ -66,9 +77,36 @@ _IOV_MAX = 512
 _READ_CHUNK = 64 << 20  # per read (measured: 64 MiB reads beat 4 and 16 MiB here)
 _MAX_HEADER = 1 << 30
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+# Exactly the dtypes the writer emits and the reader accepts: plain numbers whose bytes are
+# the value. Quantized dtypes (a tensor needs a quantizer: one made from bytes alone crashes
+# on use) and bit/packed dtypes are not stored (the serializer falls back to torch.save).
+_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)
 }
+_NAME_OF_DTYPE = {d: n for n, d in DTYPES.items()}
+# Devices a record may name (where the tensor was saved from; the reader maps it).
+_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "privateuseone"})
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -90,7 +128,7 @@ class _Encoder:
     def tensor(self, t: torch.Tensor, where: str) -> int:
         if type(t) not in _PLAIN_TENSOR_TYPES or t.layout != torch.strided:
             raise Unsupported(f"{where}: a {type(t).__name__} with layout {t.layout}")
-        if t.is_quantized or t.dtype not in _DTYPES.values() or t.device.type == "meta":
+        if t.is_quantized or t.dtype not in _NAME_OF_DTYPE or t.device.type not in _DEVICE_TYPES:
             raise Unsupported(f"{where}: a tensor of dtype {t.dtype} on {t.device}")
         key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.data_ptr() != 0 and key in self._ids:
@@ -111,7 +149,7 @@ class _Encoder:
         self.offset = _align(self.offset, _ALIGN)
         self.records.append(
             {
-                "dtype": str(data.dtype).removeprefix("torch."),
+                "dtype": _NAME_OF_DTYPE[data.dtype],
                 "shape": list(data.shape),
                 "offset": self.offset,
                 "nbytes": nbytes,
@@ -148,10 +186,26 @@ class _Encoder:
         if kind is complex:
             return {"c": [obj.real, obj.imag]}
         if kind is torch.dtype:
-            return {"y": str(obj).removeprefix("torch.")}
+            if obj not in _NAME_OF_DTYPE:
+                raise Unsupported(f"{where}: the dtype {obj}")
+            return {"y": _NAME_OF_DTYPE[obj]}
         if kind is torch.device:
             return {"v": str(obj)}
         raise Unsupported(f"{where}: a {kind.__module__}.{kind.__qualname__}")
+
+
+def encode_tree(state: Any) -> tuple[Any, list[dict[str, Any]], list[torch.Tensor]]:
+    """Return ``(tree, records, data)``: the JSON tree of ``state`` (tensors as
+    ``{"T": i}``), one record per tensor (``dtype``, ``shape``, ``offset``, ``nbytes``,
+    ``device``; offsets packed from 0, 64-byte aligned) and each tensor's bytes as a flat
+    ``uint8`` CPU tensor.
+
+    Raises:
+        Unsupported: ``state`` holds a value this format does not store.
+    """
+    enc = _Encoder()
+    tree = enc.tree(state, "state")
+    return tree, enc.records, enc.tensors
 
 
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
@@ -161,9 +215,8 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     Raises:
         Unsupported: ``state`` holds a value this format does not store.
     """
-    enc = _Encoder()
-    tree = enc.tree(state, "state")
-    body: dict[str, Any] = {"tree": tree, "tensors": enc.records, "data_start": 0}
+    tree, records, tensors = encode_tree(state)
+    body: dict[str, Any] = {"tree": tree, "tensors": records, "data_start": 0}
     # data_start depends on the header's length, which depends on data_start's digits
     for _ in range(3):
         text = json.dumps(body, separators=(",", ":")).encode()
@@ -173,7 +226,7 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
         body["data_start"] = start
     text = json.dumps(body, separators=(",", ":")).encode()
     lead = _PREFIX.pack(MAGIC, len(text)) + text
-    return lead + bytes(body["data_start"] - len(lead)), enc.tensors
+    return lead + bytes(body["data_start"] - len(lead)), tensors
 
 
 def _segments(lead: bytes, tensors: list[torch.Tensor]) -> list[memoryview]:
@@ -358,6 +411,84 @@ def _location(map_location: Any) -> Callable[[str], str]:
     )
 
 
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int:  # bool, float and str are not sizes
+        raise CheckpointCorruptError(f"bad {what} {value!r:.80}: not an integer")
+    return value
+
+
+class Record:
+    """One validated tensor record: where its bytes are and what they hold."""
+
+    __slots__ = ("device", "dtype", "nbytes", "numel", "offset", "shape")
+
+    def __init__(
+        self, dtype: torch.dtype, shape: list[int], offset: int, nbytes: int, device: str
+    ) -> None:
+        self.dtype, self.shape, self.offset, self.nbytes, self.device = (
+            dtype,
+            shape,
+            offset,
+            nbytes,
+            device,
+        )
+        self.numel = nbytes // max(1, _itemsize(dtype))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def check_records(records: Any, data_size: int) -> list[Record]:
+    """Validate tensor records as only the writer produces them.
+
+    Every dtype is one the writer emits (:data:`DTYPES`); shapes are lists of
+    non-negative integers; offsets are non-negative, 64-byte aligned integers; each
+    tensor's bytes (``nbytes`` = elements times item size) lie inside ``data_size`` and no
+    two tensors overlap; devices are real device names (no ``meta``).
+
+    Raises:
+        CheckpointCorruptError: any record breaks a rule (the message names it).
+    """
+    if type(records) is not list:
+        raise CheckpointCorruptError(f"bad tensor table {records!r:.80}")
+    checked: list[Record] = []
+    for rec in records:
+        if type(rec) is not dict:
+            raise CheckpointCorruptError(f"bad tensor record {rec!r:.80}")
+        name = rec.get("dtype")
+        if type(name) is not str or name not in DTYPES:
+            raise CheckpointCorruptError(
+                f"tensor record with dtype {name!r:.40}: not one this format writes"
+            )
+        dtype = DTYPES[name]
+        shape = rec.get("shape")
+        if type(shape) is not list or len(shape) > 64:
+            raise CheckpointCorruptError(f"bad shape {shape!r:.80}")
+        numel = 1
+        for dim in shape:
+            if _int(dim, "shape dimension") < 0:
+                raise CheckpointCorruptError(f"bad shape {shape}: negative dimension")
+            numel *= dim
+        offset = _int(rec.get("offset"), "tensor offset")
+        nbytes = _int(rec.get("nbytes"), "tensor size")
+        device = rec.get("device")
+        if type(device) is not str or device.split(":", 1)[0] not in _DEVICE_TYPES:
+            raise CheckpointCorruptError(f"tensor record with device {device!r:.40}")
+        if offset < 0 or offset % _ALIGN or nbytes != numel * _itemsize(dtype):
+            raise CheckpointCorruptError(f"bad tensor record {rec!r:.200}")
+        if offset + nbytes > data_size:
+            raise CheckpointCorruptError(
+                f"tensor record {rec!r:.200} reaches past the data ({data_size} bytes)"
+            )
+        checked.append(Record(dtype, shape, offset, nbytes, device))
+    spans = sorted((r.offset, r.offset + r.nbytes) for r in checked if r.nbytes)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        if start < end:
+            raise CheckpointCorruptError(f"overlapping tensors at offset {start}")
+    return checked
+
+
 def _parse(buf: Any, location: Callable[[str], str]) -> Any:
     view = memoryview(buf).cast("B")
     size = len(view)
@@ -366,35 +497,41 @@ def _parse(buf: Any, location: Callable[[str], str]) -> Any:
         raise CheckpointCorruptError(f"not a slurm_elastic state file (magic {magic!r})")
     header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + hlen]))
     view.release()
-    start = header["data_start"]
+    if type(header) is not dict:
+        raise CheckpointCorruptError("bad header: not an object")
+    start = header.get("data_start")
     if type(start) is not int or not _PREFIX.size + hlen <= start <= size:
         raise CheckpointCorruptError(f"bad data_start {start!r}")
     tensors = []
-    for rec in header["tensors"]:
-        dtype = _DTYPES[rec["dtype"]]
-        shape = [int(s) for s in rec["shape"]]
-        offset, nbytes = rec["offset"], rec["nbytes"]
-        numel = 1
-        for s in shape:
-            if s < 0:
-                raise CheckpointCorruptError(f"bad shape {shape}")
-            numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if nbytes != numel * itemsize or offset % _ALIGN or start + offset + nbytes > size:
-            raise CheckpointCorruptError(f"bad tensor record {rec}")
-        if nbytes == 0:
-            t = torch.empty(shape, dtype=dtype)
+    for rec in check_records(header.get("tensors"), size - start):
+        if rec.nbytes == 0:
+            t = torch.empty(rec.shape, dtype=rec.dtype)
         else:  # its own storage (offset 0) inside buf; it keeps buf alive
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=start + offset)
-            t = t.view(shape)
-        device = location(str(rec["device"]))
+            t = torch.frombuffer(buf, dtype=rec.dtype, count=rec.numel, offset=start + rec.offset)
+            t = t.view(rec.shape)
+        device = location(rec.device)
         if device != "cpu":
             t = t.to(device)
         tensors.append(t)
-    return _decode(header["tree"], tensors)
+    return decode_tree(header.get("tree"), tensors)
 
 
-def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
+def decode_tree(node: Any, tensors: list[Any]) -> Any:
+    """The value of an :func:`encode_tree` tree, ``{"T": i}`` replaced by ``tensors[i]``.
+
+    Raises:
+        CheckpointCorruptError: a node this format never writes (unknown tag, bad index,
+            bad value), never anything else.
+    """
+    try:
+        return _decode(node, tensors)
+    except CheckpointCorruptError:
+        raise
+    except (ValueError, TypeError, RuntimeError, RecursionError, KeyError) as exc:
+        raise CheckpointCorruptError(f"bad tree ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def _decode(node: Any, tensors: list[Any]) -> Any:
     if node is None or type(node) in (bool, int, str, float):
         return node
     if type(node) is list:
@@ -403,20 +540,28 @@ def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
         raise CheckpointCorruptError(f"bad tree node {node!r:.80}")
     ((tag, value),) = node.items()
     if tag == "T":
+        if type(value) is not int or not 0 <= value < len(tensors):
+            raise CheckpointCorruptError(f"bad tensor reference {value!r:.40}")
         return tensors[value]
+    if tag in ("t", "S", "c", "d", "o") and type(value) is not list:
+        raise CheckpointCorruptError(f"bad tree node {node!r:.80}")
     if tag == "t":
         return tuple(_decode(v, tensors) for v in value)
     if tag in ("d", "o"):
-        pairs = ((_decode(k, tensors), _decode(v, tensors)) for k, v in value)
+        pairs = []
+        for pair in value:
+            if type(pair) is not list or len(pair) != 2:
+                raise CheckpointCorruptError(f"bad mapping item {pair!r:.80}")
+            pairs.append((_decode(pair[0], tensors), _decode(pair[1], tensors)))
         return dict(pairs) if tag == "d" else OrderedDict(pairs)
     if tag == "S":
-        return torch.Size(int(v) for v in value)
-    if tag == "b":
+        return torch.Size(_int(v, "size") for v in value)
+    if tag == "b" and type(value) is str:
         return base64.b64decode(value, validate=True)
-    if tag == "c":
+    if tag == "c" and len(value) == 2 and all(type(v) in (int, float) for v in value):
         return complex(float(value[0]), float(value[1]))
-    if tag == "y":
-        return _DTYPES[value]
-    if tag == "v":
+    if tag == "y" and type(value) is str and value in DTYPES:
+        return DTYPES[value]
+    if tag == "v" and type(value) is str and value.split(":", 1)[0] in _DEVICE_TYPES:
         return torch.device(value)
-    raise CheckpointCorruptError(f"unknown tree tag {tag!r}")
+    raise CheckpointCorruptError(f"bad tree node {node!r:.80}")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from slurm_elastic import events
-from slurm_elastic.checkpoint import _faults
+from slurm_elastic.checkpoint import _faults, exchange
 from slurm_elastic.checkpoint.manifest import Manifest
 from slurm_elastic.checkpoint.saver import AsyncSaver, CheckpointFlushTimeout
 from slurm_elastic.checkpoint.serializer import STATE_FILE, read_state, write_state
@@ -355,10 +355,10 @@ class CheckpointManager:
                 except CheckpointCorruptError as exc:
                     self.store.report_damaged(info, exc)
         if distributed and dist.get_world_size() > 1:
-            box: builtins.list[Any] = [loaded.step if loaded else None]
-            dist.broadcast_object_list(box, src=0)
+            # the step as one int64 tensor (never a pickled object from a peer)
+            step = exchange.broadcast_int(loaded.step if loaded else None, 0)
             if dist.get_rank() != 0:
-                return None if box[0] is None else self.load(box[0], map_location, mmap=mmap)
+                return None if step is None else self.load(step, map_location, mmap=mmap)
         return loaded
 
     def load(

@@ -11,7 +11,6 @@ Both calls are collective: every rank must call them, with a process group initi
 
 from __future__ import annotations
 
-import builtins
 import errno
 import logging
 import os
@@ -26,9 +25,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from slurm_elastic import events
+from slurm_elastic.checkpoint import exchange
 from slurm_elastic.checkpoint.manager import CheckpointManager
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
 from slurm_elastic.checkpoint.store import checked_metadata, checked_step, describe_os_error
+from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -37,9 +38,29 @@ log = logging.getLogger(__name__)
 
 
 def _broadcast(value: Any) -> Any:
-    box: builtins.list[Any] = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """Rank 0's plain value (``None``, numbers, strings, lists) on every rank, no pickle."""
+    return exchange.broadcast(value, 0)
+
+
+# A failure on rank 0 reaches the other ranks as (class name, message), never as a pickled
+# exception: only these classes are re-created.
+_FAILURES: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls for cls in (CheckpointError, CheckpointCorruptError, UntrustedCheckpointError)
+}
+
+
+def _failure_message(exc: CheckpointError | None) -> list[str] | None:
+    if exc is None:
+        return None
+    name = type(exc).__name__ if type(exc).__name__ in _FAILURES else "CheckpointError"
+    return [name, str(exc)]
+
+
+def _failure_of(message: Any) -> CheckpointError | None:
+    if message is None:
+        return None
+    name, text = message
+    return _FAILURES.get(str(name), CheckpointError)(str(text))
 
 
 def _require_pg() -> tuple[int, int]:
@@ -156,9 +177,8 @@ def save_sharded(
             final = store.commit(tmp, manifest)
         except OSError as exc:
             error = describe_os_error(exc, tmp, "commit sharded checkpoint")
-    errors = [None] * world
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
+    errors = exchange.all_gather(error)
+    first = next((str(e) for e in errors if e), None)
     if first is not None:
         leftover = None
         if rank == 0 and tmp_name is not None:
@@ -228,9 +248,12 @@ def load_sharded(
                     break
         except CheckpointError as exc:
             failure = exc
-    chosen, failure = _broadcast((chosen, failure))
+    chosen, message = _broadcast([chosen, _failure_message(failure)])
+    failure = failure if rank == 0 else _failure_of(message)
     if failure is not None:
         raise failure
+    if chosen is not None and type(chosen) is not int:
+        raise CheckpointError(f"rank 0 chose checkpoint {chosen!r:.40}, not a step number")
     if chosen is None:
         return None
     manifest = store.verify(chosen, deep=False)  # every rank: owner and mode, sizes

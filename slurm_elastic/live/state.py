@@ -28,7 +28,71 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurm_elastic.checkpoint import exchange
+from slurm_elastic.errors import StateExchangeError
+
 __all__ = ["ElasticState"]
+
+_NO_LIMIT = 1 << 62  # a state's size is bounded by the receiver's check, not a constant
+
+
+def _refuse(where: str, why: str) -> StateExchangeError:
+    return StateExchangeError(f"refused a peer's state: {where}: {why}; nothing was replaced")
+
+
+def _same_tensor(where: str, got: Any, own: torch.Tensor) -> None:
+    if not isinstance(got, exchange.TensorSpec):
+        raise _refuse(where, f"a {type(got).__name__}, expected a tensor")
+    if got.dtype != own.dtype or tuple(got.shape) != tuple(own.shape):
+        raise _refuse(
+            where,
+            f"{got.dtype} {list(got.shape)}, this rank has {own.dtype} {list(own.shape)}",
+        )
+
+
+def _match_keys(where: str, got: Any, own: Mapping[str, Any]) -> None:
+    if not isinstance(got, Mapping) or set(got) != set(own):
+        have = sorted(map(str, got)) if isinstance(got, Mapping) else type(got).__name__
+        raise _refuse(where, f"keys {have}, this rank has {sorted(map(str, own))}")
+
+
+def _match_tensors(where: str, got: Any, own: Mapping[str, Any]) -> None:
+    _match_keys(where, got, own)
+    for key, value in own.items():
+        if isinstance(value, torch.Tensor):
+            _same_tensor(f"{where}[{key!r}]", got[key], value)
+        elif isinstance(got[key], exchange.TensorSpec):
+            raise _refuse(f"{where}[{key!r}]", "a tensor where this rank has none")
+
+
+def _match_optimizer(got: Any, optimizer: torch.optim.Optimizer) -> None:
+    own = optimizer.state_dict()
+    _match_keys("optimizer", got, own)
+    groups = got["param_groups"]
+    if type(groups) is not list or len(groups) != len(own["param_groups"]):
+        raise _refuse("optimizer.param_groups", "a different number of parameter groups")
+    params: dict[Any, torch.Tensor] = {}
+    for i, (g, mine, live) in enumerate(
+        zip(groups, own["param_groups"], optimizer.param_groups, strict=True)
+    ):
+        if not isinstance(g, Mapping) or g.get("params") != mine["params"]:
+            raise _refuse(f"optimizer.param_groups[{i}]", "different parameters")
+        params.update(zip(mine["params"], live["params"], strict=True))
+    entries = got["state"]
+    if not isinstance(entries, Mapping):
+        raise _refuse("optimizer.state", "not a mapping")
+    for index, entry in entries.items():
+        where = f"optimizer.state[{index!r}]"
+        if index not in params or not isinstance(entry, Mapping):
+            raise _refuse(where, "not a parameter of this optimizer")
+        mine_entry = own["state"].get(index, {})
+        for key, value in entry.items():
+            if not isinstance(value, exchange.TensorSpec):
+                continue
+            if isinstance(mine_entry.get(key), torch.Tensor):
+                _same_tensor(f"{where}[{key!r}]", value, mine_entry[key])
+            elif value.shape != ():  # not created here yet: the parameter's own shape
+                _same_tensor(f"{where}[{key!r}]", value, params[index])
 
 
 def _host_copy(value: Any) -> Any:
@@ -173,18 +237,75 @@ class ElasticState:
     def sync(self, src: int, group: Any = None) -> None:
         """Collective: every rank takes the commit of rank ``src`` (and commits it).
 
+        Nothing is unpickled: the commit travels as tensors and a JSON description
+        (:mod:`slurm_elastic.checkpoint.exchange`). Each receiver checks the description
+        against its own state (keys, shapes, dtypes) before any byte arrives; a refused
+        state raises on every rank and leaves each receiver's live state and commit as
+        they were.
+
         Args:
             src: the rank whose commit is sent (it must have one).
             group: the process group (default: the world).
+
+        Raises:
+            StateExchangeError: a receiver refused the state (all ranks raise).
         """
         self.wait()
-        payload: list[Any] = [None]
+        payload: dict[str, Any] | None = None
         if dist.get_rank(group) == src:
             if self._commit is None:
                 raise RuntimeError(f"rank {src} has no commit to send; commit() first")
-            payload[0] = {"state": self._commit, "id": self._commit_id}
-        dist.broadcast_object_list(payload, src=src, group=group)
-        received = payload[0]
+            payload = {"state": self._commit, "id": list(self._commit_id)}
+        received = exchange.broadcast(
+            payload, src, group=group, check=self.check_received, limit=_NO_LIMIT
+        )
+        if dist.get_rank(group) == src:
+            return
+        previous = (self._commit, self._commit_id)
+        try:
+            self.load(received["state"])
+        except Exception as exc:
+            if previous[0] is not None:
+                self.load(previous[0])
+            raise StateExchangeError(
+                f"the state from rank {src} could not be loaded ({type(exc).__name__}: {exc}); "
+                "this rank's state is as it was"
+            ) from exc
         self._commit = received["state"]
         self._commit_id = (int(received["id"][0]), int(received["id"][1]))
-        self.load(self._commit)
+
+    def check_received(self, spec: Any) -> None:
+        """Refuse a state a peer announces unless it has this rank's structure.
+
+        ``spec`` is the announced ``{"state": ..., "id": [round, step]}`` with a
+        :class:`~slurm_elastic.checkpoint.exchange.TensorSpec` per tensor. The model's
+        keys, shapes and dtypes must be this rank's exactly; the optimizer's parameter
+        groups must list the same parameters and each state tensor must have its
+        parameter's shape and dtype (or be a scalar); scheduler and counters must have
+        this rank's keys.
+
+        Raises:
+            StateExchangeError: names the first difference.
+        """
+        if type(spec) is not dict or set(spec) != {"state", "id"}:
+            raise StateExchangeError("refused a peer's state: not a state message")
+        ident = spec["id"]
+        if type(ident) is not list or len(ident) != 2 or any(type(v) is not int for v in ident):
+            raise StateExchangeError(f"refused a peer's state: bad commit id {ident!r:.40}")
+        state = spec["state"]
+        want = {"model", "counters"}
+        if self.optimizer is not None:
+            want.add("optimizer")
+        if self.scheduler is not None:
+            want.add("scheduler")
+        if type(state) is not dict or set(state) != want:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise StateExchangeError(
+                f"refused a peer's state: parts {got}, expected {sorted(want)}"
+            )
+        _match_tensors("model", state["model"], self.model.state_dict())
+        _match_keys("counters", state["counters"], self.counters)
+        if self.scheduler is not None:
+            _match_keys("scheduler", state["scheduler"], self.scheduler.state_dict())
+        if self.optimizer is not None:
+            _match_optimizer(state["optimizer"], self.optimizer)

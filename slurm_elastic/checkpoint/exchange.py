@@ -1,0 +1,322 @@
+"""Values exchanged between ranks without pickle.
+
+torch's ``*_object`` collectives (``broadcast_object_list``, ``all_gather_object``) pickle
+what is sent and unpickle what is received, so whoever takes a seat in a round (its
+TCPStore is reachable by other users of the cluster) could run code in every receiver.
+Every object slurm_elastic exchanges goes through this module instead:
+
+* values are encoded as the checkpoint container encodes a state (a JSON tree of
+  tensors, containers and plain values: :func:`~slurm_elastic.checkpoint.container.encode_tree`);
+  tensors travel as raw bytes, described by records that are parsed strictly (dtypes the
+  writer emits, integer shapes, aligned non-overlapping offsets);
+* sizes are announced first and checked against a limit before anything is allocated;
+* :func:`broadcast` lets each receiver inspect the announced structure (a ``check``
+  callback sees :class:`TensorSpec` in place of each tensor) and all ranks vote before any
+  tensor byte is sent: a refused value raises :class:`~slurm_elastic.errors.StateExchangeError`
+  on every rank, nothing of the receiver's replaced, nobody left waiting in a collective.
+
+Collectives run on the group's device (CPU for gloo, the current CUDA device for NCCL).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from slurm_elastic.checkpoint.container import (
+    Unsupported,
+    check_records,
+    decode_tree,
+    encode_tree,
+)
+from slurm_elastic.errors import CheckpointCorruptError, StateExchangeError
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "TensorSpec",
+    "all_gather",
+    "broadcast",
+    "broadcast_int",
+    "pack",
+    "unpack",
+]
+
+DEFAULT_LIMIT = 1 << 20
+"""Default bound on a small value's encoded size (1 MiB): steps, messages, RNG states."""
+
+_MAX_HEADER = 64 << 20
+_ALIGN = 64
+_BLOB = struct.Struct("<8sQQ")
+_BLOB_MAGIC = b"SLEWIRE1"
+
+
+class TensorSpec(NamedTuple):
+    """What a received tensor will be, shown to a ``check`` before its bytes arrive."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _encode(value: Any) -> tuple[bytes, torch.Tensor]:
+    """``(header, data)``: the JSON header and every tensor's bytes in one uint8 tensor."""
+    try:
+        tree, records, tensors = encode_tree(value)
+    except Unsupported as exc:
+        raise StateExchangeError(f"cannot send this value without pickle: {exc}") from exc
+    size = max((r["offset"] + r["nbytes"] for r in records), default=0)
+    data = torch.empty(size, dtype=torch.uint8)
+    for rec, raw in zip(records, tensors, strict=True):
+        data[rec["offset"] : rec["offset"] + rec["nbytes"]] = raw
+    header = json.dumps({"tree": tree, "tensors": records}, separators=(",", ":")).encode()
+    return header, data
+
+
+def _parse_header(header: bytes, data_size: int) -> tuple[Any, list[Any]]:
+    try:
+        body = json.loads(header)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"header is not JSON ({exc})") from exc
+    if type(body) is not dict or set(body) != {"tree", "tensors"}:
+        raise CheckpointCorruptError("header is not a value description")
+    records = check_records(body["tensors"], data_size)
+    extent = max((r.offset + r.nbytes for r in records), default=0)
+    if extent != data_size:  # the sender packs the tensors back to back, nothing more
+        raise CheckpointCorruptError(f"{data_size} data bytes announced, the tensors take {extent}")
+    return body["tree"], records
+
+
+def _specs(tree: Any, records: list[Any]) -> Any:
+    return decode_tree(tree, [TensorSpec(r.dtype, tuple(r.shape)) for r in records])
+
+
+def _materialize(tree: Any, records: list[Any], data: torch.Tensor) -> Any:
+    tensors = []
+    for r in records:
+        if r.nbytes == 0:
+            tensors.append(torch.empty(r.shape, dtype=r.dtype, device=data.device))
+        else:
+            raw = data[r.offset : r.offset + r.nbytes]
+            tensors.append(raw.view(r.dtype).view(r.shape))
+    return decode_tree(tree, tensors)
+
+
+def pack(value: Any) -> bytes:
+    """Encode ``value`` (tensors, containers, plain values) as bytes, no pickle.
+
+    Raises:
+        StateExchangeError: ``value`` holds something this encoding does not carry.
+    """
+    header, data = _encode(value)
+    start = _BLOB.size + len(header)
+    pad = -start % _ALIGN
+    return (
+        _BLOB.pack(_BLOB_MAGIC, len(header), data.numel())
+        + header
+        + bytes(pad)
+        + data.numpy().tobytes()
+    )
+
+
+def unpack(
+    blob: bytes | bytearray | memoryview | torch.Tensor, *, limit: int = DEFAULT_LIMIT
+) -> Any:
+    """Decode what :func:`pack` encoded; tensors are CPU tensors of their own.
+
+    Raises:
+        StateExchangeError: malformed, or larger than ``limit`` bytes.
+    """
+    raw = blob.cpu().numpy().tobytes() if isinstance(blob, torch.Tensor) else bytes(blob)
+    if len(raw) > limit:
+        raise StateExchangeError(f"received value of {len(raw)} bytes; at most {limit} allowed")
+    try:
+        if len(raw) < _BLOB.size:
+            raise CheckpointCorruptError("too short")
+        magic, hlen, dlen = _BLOB.unpack_from(raw)
+        if magic != _BLOB_MAGIC:
+            raise CheckpointCorruptError(f"bad magic {magic!r}")
+        start = _BLOB.size + hlen
+        start += -start % _ALIGN
+        if start + dlen != len(raw):
+            raise CheckpointCorruptError(f"sizes {hlen}+{dlen} do not add up to {len(raw)}")
+        tree, records = _parse_header(raw[_BLOB.size : _BLOB.size + hlen], dlen)
+        data = (
+            torch.frombuffer(bytearray(raw[start:]), dtype=torch.uint8)
+            if dlen
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return _materialize(tree, records, data)
+    except CheckpointCorruptError as exc:
+        raise StateExchangeError(f"received a malformed value: {exc}") from exc
+
+
+def _vote(failed: bool, group: Any, device: torch.device) -> int:
+    """Collective: the lowest rank that failed, or -1 if none did."""
+    world = dist.get_world_size(group)
+    flag = torch.tensor(
+        [dist.get_rank(group) if failed else world], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    lowest = int(flag.item())
+    return -1 if lowest >= world else lowest
+
+
+def _refused(local: BaseException | None, who: int, what: str) -> StateExchangeError:
+    if local is not None:
+        return local if isinstance(local, StateExchangeError) else StateExchangeError(str(local))
+    return StateExchangeError(f"{what} was refused by rank {who}; nothing was replaced")
+
+
+def broadcast(
+    value: Any,
+    src: int,
+    *,
+    group: Any = None,
+    check: Callable[[Any], None] | None = None,
+    limit: int = DEFAULT_LIMIT,
+    to_cpu: bool = True,
+) -> Any:
+    """Collective: every rank gets ``value`` of rank ``src`` (others pass ``None``).
+
+    Args:
+        value: on ``src``, tensors, containers and plain values (no other objects).
+        src: the sending rank (in ``group``).
+        group: the process group (default: the world).
+        check: called on each receiver with the announced value (a :class:`TensorSpec` in
+            place of each tensor) before any tensor byte is sent; raise to refuse it.
+        limit: the most bytes (header and tensor data each) a receiver accepts.
+        to_cpu: receivers get CPU tensors (else on the group's device).
+
+    Returns:
+        ``value`` on ``src``; the received value elsewhere.
+
+    Raises:
+        StateExchangeError: on every rank, if any receiver refused the value (malformed,
+            over ``limit``, or ``check`` raised): nothing was received.
+    """
+    device = _device(group)
+    me = dist.get_rank(group)
+    what = f"the value from rank {src}"
+    sizes = torch.zeros(2, dtype=torch.int64, device=device)
+    header = b""
+    data: torch.Tensor | None = None
+    local: BaseException | None = None
+    if me == src:
+        try:
+            header, data = _encode(value)
+        except StateExchangeError as exc:
+            local = exc
+        sizes = torch.tensor(
+            [len(header), data.numel() if data is not None else 0], dtype=torch.int64, device=device
+        )
+        failed = _vote(local is not None, group, device)  # the sender's own refusal first
+    else:
+        failed = _vote(False, group, device)
+    if failed >= 0:
+        raise _refused(local, failed, what)
+    dist.broadcast(sizes, src=src, group=group)
+    hlen, dlen = (int(v) for v in sizes.tolist())
+    if me != src and not (0 < hlen <= min(_MAX_HEADER, limit) and 0 <= dlen <= limit):
+        local = StateExchangeError(
+            f"{what} announces {hlen} header and {dlen} data bytes; at most {limit} allowed"
+        )
+    failed = _vote(local is not None, group, device)
+    if failed >= 0:
+        raise _refused(local, failed, what)
+    hbuf = torch.zeros(hlen, dtype=torch.uint8, device=device)
+    if me == src:
+        hbuf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    dist.broadcast(hbuf, src=src, group=group)
+    tree: Any = None
+    records: list[Any] = []
+    if me != src:
+        try:
+            tree, records = _parse_header(hbuf.cpu().numpy().tobytes(), dlen)
+            if check is not None:
+                check(_specs(tree, records))
+        except CheckpointCorruptError as exc:
+            local = StateExchangeError(f"{what} is malformed: {exc}")
+        except Exception as exc:  # the check's refusal, whatever its type
+            local = exc
+    failed = _vote(local is not None, group, device)
+    if failed >= 0:
+        raise _refused(local, failed, what)
+    if me == src:
+        assert data is not None
+        if dlen:
+            dist.broadcast(data.to(device), src=src, group=group)
+        return value
+    received = torch.empty(dlen, dtype=torch.uint8, device=device)
+    if dlen:
+        dist.broadcast(received, src=src, group=group)
+    if to_cpu:
+        received = received.cpu()
+    try:
+        return _materialize(tree, records, received)
+    except CheckpointCorruptError as exc:  # checked above; kept for a clear error
+        raise StateExchangeError(f"{what} is malformed: {exc}") from exc
+
+
+def broadcast_int(value: int | None, src: int = 0, *, group: Any = None) -> int | None:
+    """Collective: rank ``src``'s integer (or ``None``) on every rank; one tensor, no
+    encoding (values must fit in int64 and not be ``-2**63``, which stands for ``None``)."""
+    none = -(1 << 63)
+    t = torch.tensor(
+        [none if value is None else int(value)], dtype=torch.int64, device=_device(group)
+    )
+    dist.broadcast(t, src=src, group=group)
+    got = int(t.item())
+    return None if got == none else got
+
+
+def all_gather(value: Any, *, group: Any = None, limit: int = DEFAULT_LIMIT) -> list[Any]:
+    """Collective: every rank's ``value`` (small: at most ``limit`` bytes each), in rank order.
+
+    Every rank sees the same bytes, so a malformed or oversized contribution is refused
+    by every rank alike (no vote needed).
+
+    Raises:
+        StateExchangeError: on every rank, if a contribution is malformed or too large
+            (the message names the rank).
+    """
+    device = _device(group)
+    world = dist.get_world_size(group)
+    try:
+        mine = pack(value)
+        error = None
+    except StateExchangeError as exc:
+        mine, error = b"", exc
+    size = torch.tensor([len(mine) if error is None else -1], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    bad = [r for r, n in enumerate(lengths) if not 0 <= n <= limit]
+    if bad:
+        if error is not None:
+            raise error
+        raise StateExchangeError(
+            f"rank {bad[0]} sent {lengths[bad[0]]} bytes to an all-gather; at most {limit} allowed"
+        )
+    longest = max(lengths)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else buf[:0]
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    out = []
+    for rank, (blob, n) in enumerate(zip(bufs, lengths, strict=True)):
+        try:
+            out.append(unpack(blob[:n], limit=limit))
+        except StateExchangeError as exc:
+            raise StateExchangeError(f"rank {rank}'s contribution: {exc}") from exc
+    return out
