@@ -23,6 +23,8 @@ involved, and how to fix it.
     ├── StateExchangeError             a value a peer sent was refused (malformed, too
     │                                  large, or not this rank's structure): nothing of
     │                                  the receiver's was replaced
+    ├── UnsafeDirectoryError           a directory of ours is a link, not ours, or
+    │                                  writable by group/others (the chmod to run)
     └── AgentError                     the per-node agent cannot run
 """
 
@@ -43,6 +45,7 @@ __all__ = [
     "SlurmEnvError",
     "SlurmError",
     "StateExchangeError",
+    "UnsafeDirectoryError",
 ]
 
 
@@ -114,6 +117,11 @@ class StateExchangeError(SlurmElasticError):
     Raised when what a peer sent is malformed, larger than allowed, or does not match the
     receiver's own state (keys, shapes, dtypes); nothing of the receiver's was replaced.
     """
+
+
+class UnsafeDirectoryError(SlurmElasticError):
+    """A directory of the product's own tree is a link, not a directory, owned by someone
+    else, or writable by group/others; the message names it and the fix."""
 
 
 class AgentError(SlurmElasticError):

@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from slurm_elastic.envvars import EVENTS_DIR_ENV, RUN_ID_ENV
+from slurm_elastic.errors import UnsafeDirectoryError
+from slurm_elastic.privatefs import ensure_private_dir
 
 __all__ = [
     "EVENTS_DIR_ENV",
@@ -575,7 +577,7 @@ def emit(event: Event | str, /, **fields: Any) -> None:
         typed = _legacy(event, fields) if isinstance(event, str) else event
         line = json.dumps(typed.to_record(), default=str) + "\n"
         path = Path(directory) / f"{typed.host}.{typed.pid}.jsonl"
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_private_dir(path.parent)
         # O_APPEND: each write of one line lands whole at the end of our own file.
         # O_NOFOLLOW: a symlink planted at our file name on the shared FS is refused.
         fd = os.open(path, _OPEN_FLAGS, 0o600)
@@ -583,7 +585,7 @@ def emit(event: Event | str, /, **fields: Any) -> None:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
-    except (OSError, TypeError, ValueError) as exc:
+    except (OSError, TypeError, ValueError, UnsafeDirectoryError) as exc:
         name = event if isinstance(event, str) else event.kind
         log.debug("dropping event %s: %s", name, exc)
 
@@ -674,13 +676,13 @@ def record_run(
     )
     try:
         directory = run_index_dir()
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_private_dir(directory, root=directory.parent)
         tmp = directory / f".{run_id}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(dataclasses.asdict(entry), fh)
         os.replace(tmp, directory / f"{run_id}.json")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UnsafeDirectoryError) as exc:
         log.debug("cannot record run %s in the run index: %s", run_id, exc)
 
 

@@ -52,8 +52,10 @@ from slurm_elastic.errors import (
     RendezvousSetupError,
     SlurmElasticError,
     SlurmError,
+    UnsafeDirectoryError,
 )
 from slurm_elastic.live import control
+from slurm_elastic.privatefs import ensure_private_dir, private_tree
 from slurm_elastic.rendezvous.options import RendezvousOptions, check_keys
 from slurm_elastic.rendezvous.protocols import LeavableRendezvous
 from slurm_elastic.slurm.control import SlurmControl, default_control
@@ -317,13 +319,17 @@ class _RoundLogsSpecs(DefaultLogsSpecs):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._rounds = 0
+        self._root = kwargs.get("log_dir")
 
     def reify(self, envs: dict[int, dict[str, str]]) -> Any:
         numbered = {
             r: {**e, "TORCHELASTIC_RESTART_COUNT": str(self._rounds)} for r, e in envs.items()
         }
         self._rounds += 1
-        return super().reify(numbered)
+        dest = super().reify(numbered)
+        if self._root:  # torch makes attempt_<n>/<rank> with the umask: 0700 like ours
+            private_tree(Path(self._root))
+        return dest
 
 
 def _worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path | None, str, str]:
@@ -338,6 +344,28 @@ def _worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path 
     if config.run_id is None or (redirects, tee) != ("0", "0"):
         return None, redirects, tee
     return config.state_dir / "logs" / config.run_id, "0", "3"
+
+
+def _private_directories(config: ElasticConfig, log_dir: Path | None) -> None:
+    """Create the run's directories ``0700`` (whatever the umask or a setgid parent) and
+    check the existing ones: the state directory and, wherever they are, the rendezvous
+    root, checkpoints, events and logs. Below the state directory every component must be
+    private; a directory configured elsewhere is checked from itself down.
+
+    Raises:
+        UnsafeDirectoryError: a component is a link, not ours, or writable by others.
+        OSError: one cannot be created.
+    """
+    state = Path(os.path.abspath(config.state_dir))
+    wanted: list[Path | None] = [state, config.events_dir, config.checkpoint_dir, log_dir]
+    if config.rdzv_backend == "slurm":
+        wanted.append(config.rdzv_dir)
+    for directory in wanted:
+        if directory is None:
+            continue
+        path = Path(os.path.abspath(directory))
+        inside = path == state or state in path.parents
+        ensure_private_dir(path, root=state if inside else path)
 
 
 def _run(
@@ -357,6 +385,11 @@ def _run(
     os.environ.update(_worker_environment(config, slurm, notice_file, heartbeat_file, control_dir))
     log.info("agent config: %s", config.as_dict())
     log_dir, redirects, tee = _worker_logs(config, redirects, tee)
+    try:
+        _private_directories(config, log_dir)
+    except (UnsafeDirectoryError, OSError) as exc:
+        log.error("cannot use the run's directories: %s", exc)
+        return ExitCode.USAGE
     events.emit(
         events.AgentStart(
             config=config.as_dict(),

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic import envvars
+from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.submit.job import LocalJob
 from slurm_elastic.submit.request import JobRequest
 
@@ -91,7 +92,7 @@ def submit_local(request: JobRequest, folder: str | os.PathLike[str] | None = No
         if folder is None
         else Path(folder).resolve()
     )
-    base.mkdir(parents=True, exist_ok=True)
+    ensure_private_dir(base)
     spec_path, spec = write_spec(request, base)
     env = node_environment(extra=request.env)
     procs: list[subprocess.Popen[bytes]] = []

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic.errors import ConfigError, SlurmCommandNotFoundError
+from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.slurm.control import SlurmControl, default_control
 from slurm_elastic.submit import render
 from slurm_elastic.submit.job import SlurmJob
@@ -184,7 +185,8 @@ def submit_slurm(
     from slurm_elastic.submit.node import run_node
 
     folder = _folder(request)
-    Path(request.output_dir).resolve().mkdir(parents=True, exist_ok=True)
+    # submitit keeps the pickled job there, which the nodes unpickle: 0700, ours only
+    ensure_private_dir(Path(request.output_dir).resolve())
     try:
         executor = submitit.SlurmExecutor(folder=folder, python=python)
     except RuntimeError as exc:
