@@ -29,6 +29,7 @@ __all__ = [
     "EVENTS_DIR_ENV",
     "HEARTBEAT_FILE_ENV",
     "IN_PLACE_ENV",
+    "KEY_FILE_ENV",
     "LOG_LEVEL_ENV",
     "NOTICE_FILE_ENV",
     "PREEMPT_SIGNAL_ENV",
@@ -60,6 +61,7 @@ LOG_LEVEL_ENV = f"{PREFIX}LOG_LEVEL"
 CONTROL_DIR_ENV = f"{PREFIX}CONTROL_DIR"
 ROUND_ENV = f"{PREFIX}ROUND"
 IN_PLACE_ENV = f"{PREFIX}IN_PLACE"
+KEY_FILE_ENV = f"{PREFIX}KEY_FILE"
 #: ``SLURM_ELASTIC_CLUSTER``, ``SLURM_ELASTIC_CLUSTER_DIR``, ``..._MODE``, ...
 CLUSTER_PREFIX = f"{PREFIX}CLUSTER"
 #: Reserved for test harnesses; never a config key.
@@ -155,6 +157,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "the rendezvous round the workers were started in",
         "the agent, for its workers",
         "`slurm_elastic.live` (tells a new assignment from a stale one)",
+    ),
+    EnvVar(
+        KEY_FILE_ENV,
+        "the run key (a 0600 file in the run's private directory) that seals the round's "
+        "store values, so that only the run's own processes take a seat",
+        "the agent, for its workers",
+        "`slurm_elastic.live` in the workers",
     ),
     EnvVar(
         IN_PLACE_ENV,

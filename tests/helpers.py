@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["wait_for"]
+__all__ = ["Other", "second_user", "wait_for"]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
@@ -25,3 +30,58 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.1f} s waiting for {what}")
         time.sleep(interval)
+
+
+@dataclass
+class Other:
+    """A second local user (made by :func:`second_user`): the hostile neighbour."""
+
+    name: str
+    uid: int
+    gid: int
+
+    def become(self) -> None:
+        """Switch this (forked) process to the user, umask 002."""
+        os.setgroups([self.gid])
+        os.setgid(self.gid)
+        os.setuid(self.uid)
+        os.umask(0o002)
+
+    def start(self, action: Callable[[], None]) -> int:
+        """Run ``action`` as this user in a forked child; return its pid (exit 0: done)."""
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 1
+            try:
+                self.become()
+                action()
+                code = 0
+            except BaseException as exc:
+                print(f"as {self.name}: {type(exc).__name__}: {exc}", flush=True)
+            os._exit(code)
+        return pid
+
+    def run(self, action: Callable[[], None]) -> None:
+        """Run ``action`` as this user in a forked child; raise if it failed."""
+        _, status = os.waitpid(self.start(action), 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the other user's action failed"
+
+
+@contextlib.contextmanager
+def second_user() -> Iterator[Other]:
+    """A new local user in a new group of its own (needs root); removed afterwards."""
+    import grp
+    import pwd
+
+    name = f"se{secrets.token_hex(4)}"
+    subprocess.run(["groupadd", name], check=True)
+    try:
+        subprocess.run(
+            ["useradd", "-M", "-N", "-g", name, "-s", "/usr/sbin/nologin", name], check=True
+        )
+        try:
+            yield Other(name, pwd.getpwnam(name).pw_uid, grp.getgrnam(name).gr_gid)
+        finally:
+            subprocess.run(["userdel", name], check=False)
+    finally:
+        subprocess.run(["groupdel", name], check=False, stderr=subprocess.DEVNULL)

@@ -54,7 +54,7 @@ from slurm_elastic.errors import (
     SlurmError,
     UnsafeDirectoryError,
 )
-from slurm_elastic.live import control
+from slurm_elastic.live import auth, control
 from slurm_elastic.privatefs import ensure_private_dir, private_tree
 from slurm_elastic.rendezvous.options import RendezvousOptions, check_keys
 from slurm_elastic.rendezvous.protocols import LeavableRendezvous
@@ -368,6 +368,18 @@ def _private_directories(config: ElasticConfig, log_dir: Path | None) -> None:
         ensure_private_dir(path, root=state if inside else path)
 
 
+def _run_key(config: ElasticConfig) -> Path:
+    """The run key's file (created by the first agent), in the run's private directory
+    that every node shares: the rendezvous root for the ``slurm`` backend, else the state
+    directory. Its workers seal the round's store with it (:mod:`slurm_elastic.live.auth`).
+    """
+    base = Path(
+        os.path.abspath(config.rdzv_dir if config.rdzv_backend == "slurm" else config.state_dir)
+    )
+    keys = ensure_private_dir(base / ".keys", root=base)
+    return auth.load_or_create_key(keys, f"{config.run_id or 'run'}.key")
+
+
 def _run(
     config: ElasticConfig,
     entrypoint: str,
@@ -387,6 +399,7 @@ def _run(
     log_dir, redirects, tee = _worker_logs(config, redirects, tee)
     try:
         _private_directories(config, log_dir)
+        os.environ[envvars.KEY_FILE_ENV] = str(_run_key(config))
     except (UnsafeDirectoryError, OSError) as exc:
         log.error("cannot use the run's directories: %s", exc)
         return ExitCode.USAGE

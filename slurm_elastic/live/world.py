@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
-from slurm_elastic.live import control
+from slurm_elastic.live import auth, control
 from slurm_elastic.live.state import ElasticState
 
 __all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
@@ -75,6 +75,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 class _Pending:
     assignment: control.Assignment
     store: Any
+    sealed_ready: set[str] = field(default_factory=set)
 
 
 class LiveWorld:
@@ -116,6 +117,16 @@ class LiveWorld:
         self._watch: control.AssignmentWatch | None = None
         self._pending: _Pending | None = None
         self._failed_rounds: set[int] = set()
+        # The run key seals the round's store (only the run's processes take a seat);
+        # the agent always gives it. Without it (a worker started by hand) values are
+        # plain, as in torch.
+        self._run_key = auth.worker_key() if in_place else None
+        if in_place and self._run_key is None:
+            log.warning(
+                "no run key (%s unset): the round's store is not sealed, so any process "
+                "that reaches it could take a seat; start workers with `slurm-elastic agent`",
+                auth.KEY_FILE_ENV,
+            )
 
     # -- view -------------------------------------------------------------------------------
 
@@ -195,7 +206,15 @@ class LiveWorld:
         if pending is None:
             return 0
         keys = [f"ready/{r}" for r in range(pending.assignment.world_size)]
-        return pending.assignment.round + 1 if pending.store.check(keys) else 0
+        if not pending.store.check(keys):
+            return 0
+        if isinstance(pending.store, auth.SealedStore):  # a mark an outsider set is no mark
+            unsure = [k for k in keys if k not in pending.sealed_ready]
+            for key in unsure:
+                if pending.store.opened(key) is None:
+                    return 0
+                pending.sealed_ready.add(key)
+        return pending.assignment.round + 1
 
     def pending_round(self) -> int | None:
         """The round of the assignment this worker holds and announced itself in, if any."""
@@ -217,7 +236,9 @@ class LiveWorld:
             use_libuv=True,
         )
         client.set_timeout(self.timeout)
-        store = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
+        store: Any = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
+        if self._run_key is not None:  # only the run's processes can take a seat
+            store = auth.SealedStore(store, auth.round_key(self._run_key, a.round), self.timeout)
         store.set(f"ready/{a.rank}", "1")
         return store
 

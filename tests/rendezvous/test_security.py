@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from slurm_elastic.errors import RendezvousSetupError
 from slurm_elastic.rendezvous import create_handler
 from slurm_elastic.rendezvous.filesystem import SafeDir, open_nofollow
 from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory
+from tests.helpers import Other, second_user
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None,
@@ -37,48 +35,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@dataclass
-class Other:
-    name: str
-    uid: int
-    gid: int
-
-    def run(self, action: Callable[[], None]) -> None:
-        """Run ``action`` as this user in a forked child; raise if it failed."""
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            code = 1
-            try:
-                os.setgroups([self.gid])
-                os.setgid(self.gid)
-                os.setuid(self.uid)
-                os.umask(0o002)
-                action()
-                code = 0
-            except BaseException as exc:
-                print(f"as {self.name}: {type(exc).__name__}: {exc}", flush=True)
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the other user's action failed"
-
-
 @pytest.fixture
 def other() -> Iterator[Other]:
-    name = f"se{secrets.token_hex(4)}"
-    subprocess.run(["groupadd", name], check=True)
-    try:
-        subprocess.run(
-            ["useradd", "-M", "-N", "-g", name, "-s", "/usr/sbin/nologin", name], check=True
-        )
-        try:
-            import grp
-            import pwd
-
-            yield Other(name, pwd.getpwnam(name).pw_uid, grp.getgrnam(name).gr_gid)
-        finally:
-            subprocess.run(["userdel", name], check=False)
-    finally:
-        subprocess.run(["groupdel", name], check=False, stderr=subprocess.DEVNULL)
+    with second_user() as user:
+        yield user
 
 
 @pytest.fixture
