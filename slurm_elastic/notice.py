@@ -30,14 +30,29 @@ Notice file check cost: :func:`preemption_requested` stats the notice file at mo
 :data:`NOTICE_POLL_INTERVAL_S` seconds; the signal path is immediate. Both helpers read
 ``SLURM_ELASTIC_NOTICE_FILE``/``SLURM_ELASTIC_HEARTBEAT_FILE`` once per process (a worker's
 environment is fixed at start); :func:`reload_environment` forgets them.
+
+Node files on hostile ground: every file of the node's agent <-> worker channel (this
+module's notice and heartbeat, and the control files of :mod:`slurm_elastic.live.control`)
+is read through :func:`read_node_file` and written through :func:`write_node_file`. A
+reader never blocks and never follows a link: it opens with ``O_NONBLOCK | O_NOFOLLOW``,
+refuses what ``fstat`` says is not a regular file (a FIFO, a directory, a device) and a
+file larger than its bound, and reads at most that bound. What it refuses is ignored with
+a warning naming the file (:func:`warn_ignored`: one per file per
+:data:`IGNORED_WARNING_INTERVAL_S`, so a poll loop does not flood the log). A writer
+creates its temporary file exclusively (``O_EXCL | O_NOFOLLOW``, a stale one removed
+first) and renames it into place, so a reader sees the old or the new file, never a torn
+one, and a FIFO planted at the temporary name cannot block the writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import math
 import os
 import signal as _signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -51,10 +66,12 @@ from slurm_elastic.signals import DEFAULT_PREEMPT_SIGNAL, parse_signal
 __all__ = [
     "DEFAULT_PREEMPT_SIGNAL",
     "HEARTBEAT_FILE_ENV",
+    "IGNORED_WARNING_INTERVAL_S",
     "NOTICE_FILE_ENV",
     "NOTICE_POLL_INTERVAL_S",
     "PREEMPT_SIGNAL_ENV",
     "PROGRESS_MIN_INTERVAL_S",
+    "NodeFile",
     "Progress",
     "await_new_round",
     "clear_notice",
@@ -65,8 +82,11 @@ __all__ = [
     "preemption_agreed",
     "preemption_requested",
     "raise_notice",
+    "read_node_file",
     "reload_environment",
     "report_progress",
+    "warn_ignored",
+    "write_node_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +97,8 @@ NOTICE_POLL_INTERVAL_S = 0.2
 
 _LINE_FORMAT = "{step:20d} {time:20.6f}\n"
 _LINE_LENGTH = 42
+# A heartbeat file larger than this is not ours (the line is 42 bytes): not read at all.
+_HEARTBEAT_MAX_BYTES = 4096
 
 
 class Progress(NamedTuple):
@@ -90,6 +112,150 @@ class Progress(NamedTuple):
 
     step: int
     time: float
+
+
+# ---------------------------------------------------------------------------------------
+# node files: bounded, non-blocking reads and crash-safe writes
+
+IGNORED_WARNING_INTERVAL_S = 60.0
+_WARNED_MAX = 256  # files remembered by the rate limit (a flood of names cannot grow it)
+_warned: dict[str, tuple[float, int]] = {}  # path -> (time of the warning, suppressed since)
+_warned_lock = threading.Lock()
+
+
+def warn_ignored(logger: logging.Logger, path: str | os.PathLike[str], reason: str) -> None:
+    """Log that a node file was ignored, at most once per file per interval.
+
+    Repeats within :data:`IGNORED_WARNING_INTERVAL_S` go to DEBUG and are counted in the
+    next warning: a poll loop meeting the same bad file does not flood the log.
+
+    Args:
+        logger: the reader's logger.
+        path: the file ignored.
+        reason: why, e.g. ``"not a regular file"``.
+    """
+    key = os.fspath(path)
+    now = time.monotonic()
+    with _warned_lock:
+        last = _warned.get(key)
+        if last is not None and now - last[0] < IGNORED_WARNING_INTERVAL_S:
+            _warned[key] = (last[0], last[1] + 1)
+            logger.debug("ignored %s: %s", key, reason)
+            return
+        if last is None and len(_warned) >= _WARNED_MAX:
+            _warned.pop(next(iter(_warned)))  # the oldest entry
+        _warned[key] = (now, 0)
+    suppressed = 0 if last is None else last[1]
+    if suppressed:
+        logger.warning("ignored %s: %s (%d similar warnings suppressed)", key, reason, suppressed)
+    else:
+        logger.warning("ignored %s: %s", key, reason)
+
+
+class NodeFile(NamedTuple):
+    """What :func:`read_node_file` read.
+
+    Attributes:
+        data: the whole content (at most the bound given).
+        mtime: the file's modification time (Unix time).
+    """
+
+    data: bytes
+    mtime: float
+
+
+def read_node_file(
+    path: str | os.PathLike[str], max_bytes: int, logger: logging.Logger
+) -> NodeFile | None:
+    """Read a small node file without blocking, following a link or reading unbounded.
+
+    Args:
+        path: the file.
+        max_bytes: a larger file is refused unread.
+        logger: where a refusal is reported (:func:`warn_ignored`).
+
+    Returns:
+        The content, or ``None`` when the file does not exist or was refused: not a
+        regular file (a FIFO, a directory, a device), a symbolic link, larger than
+        ``max_bytes``, or not readable.
+    """
+    try:
+        # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for
+        # a writer; it changes nothing for a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link; EACCES; ENOTDIR
+        warn_ignored(logger, path, f"cannot open it ({exc.strerror or exc})")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            warn_ignored(logger, path, "not a regular file")
+            return None
+        if st.st_size > max_bytes:
+            warn_ignored(logger, path, f"{st.st_size} bytes, more than {max_bytes}")
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:  # it grew after the fstat
+            warn_ignored(logger, path, f"more than {max_bytes} bytes")
+            return None
+        return NodeFile(b"".join(chunks), st.st_mtime)
+    except OSError as exc:  # EIO, or a file system that refuses the read
+        warn_ignored(logger, path, f"cannot read it ({exc.strerror or exc})")
+        return None
+    finally:
+        os.close(fd)
+
+
+def write_node_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (a temporary file, then ``rename``).
+
+    The temporary file (``.<name>.<pid>.tmp`` beside ``path``) is created exclusively
+    and without following a link, after removing a stale one: whatever was planted at
+    that name (a FIFO, a link) is never opened, so the writer cannot block on it.
+
+    Raises:
+        OSError: the directory cannot be written, or the temporary name is taken by
+            something that cannot be removed (a directory).
+    """
+    target = Path(path)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+
+
+def _is_notice(path: str | os.PathLike[str]) -> bool:
+    """Whether the notice file exists (only a regular file counts: the agent's rename
+    always leaves one; anything else at that name is ignored with a warning)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        warn_ignored(log, path, f"cannot stat it ({exc.strerror or exc})")
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        warn_ignored(log, path, "not a regular file")
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,7 +350,7 @@ def preemption_requested() -> bool:
         now = time.monotonic()
         if now - _notice_checked_at >= NOTICE_POLL_INTERVAL_S:
             _notice_checked_at = now
-            if os.path.exists(path):
+            if _is_notice(path):
                 _notice_seen = True
                 log.info("preemption notice file %s found", path)
                 return True
@@ -247,27 +413,46 @@ def raise_notice(path: str | os.PathLike[str], reason: str = "preempt") -> None:
         path: the notice file (``SLURM_ELASTIC_NOTICE_FILE`` of the workers).
         reason: a word recorded in the file, e.g. ``"preempt"``, ``"stop"``.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{reason} {time.time():.6f}\n", encoding="utf-8")
-    os.replace(tmp, target)
-    log.debug("notice %s raised at %s", reason, target)
+    write_node_file(path, f"{reason} {time.time():.6f}\n".encode())
+    log.debug("notice %s raised at %s", reason, path)
 
 
 def notice_raised(path: str | os.PathLike[str]) -> bool:
-    """Return whether the notice file exists."""
-    return os.path.exists(path)
+    """Return whether the notice file exists (a regular file; anything else is ignored)."""
+    return _is_notice(path)
 
 
 def clear_notice(path: str | os.PathLike[str]) -> None:
-    """Remove the notice file if present (e.g. before starting a fresh set of workers)."""
-    with contextlib.suppress(FileNotFoundError):
+    """Remove the notice file if present (e.g. before starting a fresh set of workers).
+
+    Something that cannot be unlinked at its name (a directory) is left with a warning:
+    it is no notice (:func:`notice_raised`) and must not stop the agent's round start.
+    """
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        warn_ignored(log, path, f"cannot remove it ({exc.strerror or exc})")
 
 
 # ---------------------------------------------------------------------------------------
 # progress heartbeat
+
+
+class _NotRegularFile(OSError):
+    """Something other than a regular file holds the heartbeat's name."""
+
+
+def _open_heartbeat(path: str) -> int:
+    # O_NONBLOCK: opening a FIFO for writing fails (ENXIO) instead of waiting for a
+    # reader; O_NOFOLLOW: a link at the name is not ours (the launcher creates a file).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)  # a FIFO that has a reader: never write progress into a pipe
+        raise _NotRegularFile(f"{path} is not a regular file")
+    return fd
 
 
 class _HeartbeatWriter:
@@ -285,7 +470,7 @@ class _HeartbeatWriter:
         if path != self.path or self.fd is None:
             self.close()
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            self.fd = _open_heartbeat(path)
             self.path = path
         line = _LINE_FORMAT.format(step=step, time=time.time())
         os.pwrite(self.fd, line.encode("ascii"), 0)
@@ -333,7 +518,14 @@ def report_progress(
             return _writer.write(target, int(step), force)
         except OSError as exc:
             # a full or vanished disk must not kill training; the watchdog will notice
-            log.debug("cannot write heartbeat %s: %s", target, exc)
+            if isinstance(exc, _NotRegularFile) or exc.errno in (
+                errno.ELOOP,
+                errno.ENXIO,
+                errno.EISDIR,
+            ):
+                warn_ignored(log, target, "not a regular file: no progress written")
+            else:
+                log.debug("cannot write heartbeat %s: %s", target, exc)
             _writer.close()
             return False
 
@@ -342,20 +534,23 @@ def last_progress(path: str | os.PathLike[str]) -> Progress | None:
     """Read the last progress reported to ``path``.
 
     Returns:
-        ``None`` when nothing was reported yet (no file), else the :class:`Progress`.
-        An unreadable or torn line gives ``Progress(-1, <file mtime>)``.
+        ``None`` when nothing was reported yet (no file) or the file was refused (not a
+        regular file, a link, larger than a heartbeat can be: see :func:`read_node_file`),
+        else the :class:`Progress`. An unreadable or torn line, or one whose time is not
+        a finite number, gives ``Progress(-1, <file mtime>)``.
     """
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(_LINE_LENGTH + 1)
-            mtime = os.fstat(fh.fileno()).st_mtime
-    except FileNotFoundError:
+    found = read_node_file(path, _HEARTBEAT_MAX_BYTES, log)
+    if found is None:
         return None
     try:
-        text = raw.decode("ascii")
+        text = found.data.decode("ascii")
         if len(text) != _LINE_LENGTH or not text.endswith("\n"):
             raise ValueError(f"heartbeat line of length {len(text)}")
         step_s, time_s = text.split()
-        return Progress(int(step_s), float(time_s))
+        progress = Progress(int(step_s), float(time_s))
+        if not math.isfinite(progress.time):
+            warn_ignored(log, path, f"time {time_s!r} is not a finite number")
+            return Progress(-1, found.mtime)
+        return progress
     except ValueError:
-        return Progress(-1, mtime)
+        return Progress(-1, found.mtime)

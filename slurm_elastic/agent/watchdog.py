@@ -5,15 +5,27 @@ make progress. The watchdog never compares the wall-clock time written in the fi
 its own wall clock (a clock step of +100 s would then look like 100 s without progress
 and restart healthy workers): it notes, on its own ``time.monotonic()``, when it last saw
 the file's content change, and the age of the progress is the monotonic time since.
+
+The file is read with :func:`slurm_elastic.notice.read_node_file`: a FIFO, a directory or
+a link at its name, or a file too large to be a heartbeat, reads as no report (with a
+warning), so it can neither block the agent's monitor loop nor pass for progress.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 
+from slurm_elastic.notice import read_node_file
+
 __all__ = ["ProgressWatch"]
+
+log = logging.getLogger(__name__)
+
+# The heartbeat line is 42 bytes; a larger file is not a heartbeat and is not read.
+_MAX_BYTES = 4096
 
 
 class ProgressWatch:
@@ -39,11 +51,8 @@ class ProgressWatch:
         self._changed_at = None
 
     def _read(self) -> bytes | None:
-        try:
-            with open(self._path, "rb") as fh:
-                return fh.read(128)
-        except FileNotFoundError:
-            return None
+        found = read_node_file(self._path, _MAX_BYTES, log)
+        return None if found is None else found.data
 
     def age_s(self) -> float:
         """Seconds since the heartbeat content last changed; 0 before the first report."""

@@ -16,13 +16,22 @@ holds small JSON files, each written atomically (temporary file + ``rename``):
 The round a worker was started in reaches it through ``$SLURM_ELASTIC_ROUND``; an
 assignment for the same or an older round is stale and ignored. ``$SLURM_ELASTIC_IN_PLACE``
 = ``0`` switches the in-place path off for agent and workers alike (the restart path).
+
+The files are read as hostile input (any process of the user can write the directory):
+through :func:`slurm_elastic.notice.read_node_file` (no FIFO, directory, device or link
+is opened for reading, nothing larger than :data:`MAX_FILE_BYTES` is read), parsed as
+strict JSON (``NaN``/``Infinity`` refused), and every number checked for type (an integer,
+not a bool or a float) and range. A file that fails is ignored with a warning naming it
+(rate-limited, see :func:`slurm_elastic.notice.warn_ignored`), as if it were absent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -30,10 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic import envvars
+from slurm_elastic.notice import read_node_file, warn_ignored, write_node_file
 
 __all__ = [
     "CONTROL_DIR_ENV",
     "IN_PLACE_ENV",
+    "MAX_FILE_BYTES",
     "ROUND_ENV",
     "Assignment",
     "AssignmentWatch",
@@ -49,6 +60,19 @@ __all__ = [
 CONTROL_DIR_ENV = envvars.CONTROL_DIR_ENV
 ROUND_ENV = envvars.ROUND_ENV
 IN_PLACE_ENV = envvars.IN_PLACE_ENV
+
+log = logging.getLogger(__name__)
+
+#: A control file larger than this is refused unread (ours are under 300 bytes).
+MAX_FILE_BYTES = 64 * 1024
+# Ranges of the numbers in control files. Far above any real job, low enough that no
+# reader can be made to build a list of world_size keys that does not fit in memory.
+_MAX_RANKS = 1 << 20
+_MAX_ROUND = (1 << 31) - 1
+_MAX_PID = (1 << 31) - 1  # pid_t
+_MAX_PORT = 65535
+_MAX_ADDR_CHARS = 255
+_SUFFIX = re.compile(r"[0-9]{1,7}")  # a local rank (ASCII digits only)
 
 
 def in_place_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -85,22 +109,27 @@ class Assignment:
     def from_dict(cls, data: Mapping[str, Any]) -> Assignment:
         """Parse a dict written by :meth:`as_dict`.
 
+        Every number must be an ``int`` (not a bool, a float or a string) in its range:
+        ``0 <= rank < world_size <= 2**20``, local and group ranks likewise, the round in
+        ``[0, 2**31)``, the port in ``[0, 65535]``; the address a string of at most 255
+        characters.
+
         Raises:
-            ValueError: a field is missing or has the wrong type.
+            ValueError: a field is missing, has the wrong type or is out of range.
         """
         try:
             result = cls(
-                round=int(data["round"]),
-                rank=int(data["rank"]),
-                world_size=int(data["world_size"]),
-                local_rank=int(data["local_rank"]),
-                group_rank=int(data["group_rank"]),
-                group_world_size=int(data["group_world_size"]),
-                master_addr=str(data["master_addr"]),
-                master_port=int(data["master_port"]),
+                round=_int_field(data, "round", 0, _MAX_ROUND),
+                rank=_int_field(data, "rank", 0, _MAX_RANKS - 1),
+                world_size=_int_field(data, "world_size", 1, _MAX_RANKS),
+                local_rank=_int_field(data, "local_rank", 0, _MAX_RANKS - 1),
+                group_rank=_int_field(data, "group_rank", 0, _MAX_RANKS - 1),
+                group_world_size=_int_field(data, "group_world_size", 0, _MAX_RANKS),
+                master_addr=_str_field(data, "master_addr", _MAX_ADDR_CHARS),
+                master_port=_int_field(data, "master_port", 0, _MAX_PORT),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed assignment {dict(data)!r}: {exc}") from exc
+            raise ValueError(f"malformed assignment {_short(dict(data))}: {exc}") from exc
         if not 0 <= result.rank < result.world_size:
             raise ValueError(f"assignment rank {result.rank} outside the world: {result}")
         return result
@@ -128,23 +157,53 @@ class Assignment:
             return None
 
 
+def _short(value: object, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters (values come from hostile files)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _int_field(data: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = data[name]
+    # type(...) is int: a bool is an int to isinstance, and int() would accept floats
+    # (and raise OverflowError on Infinity) and strings.
+    if type(value) is not int:
+        raise ValueError(f"{name}={_short(value)} is not an integer")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={_short(value)} outside [{low}, {high}]")
+    return value
+
+
+def _str_field(data: Mapping[str, Any], name: str, max_chars: int) -> str:
+    value = data[name]
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        raise ValueError(f"{name}={_short(value)} is not a string of 1 to {max_chars} characters")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, json.dumps(dict(data)).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_node_file(path, json.dumps(dict(data), allow_nan=False).encode())
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+    """The JSON object in ``path``; ``None`` if absent or refused (with a warning)."""
+    found = read_node_file(path, MAX_FILE_BYTES, log)
+    if found is None:
         return None
-    return data if isinstance(data, dict) else None
+    try:
+        # parse_constant: Python's json accepts NaN and Infinity, which are not JSON.
+        data = json.loads(found.data.decode("utf-8"), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        warn_ignored(log, path, f"not strict JSON ({_short(str(exc))})")
+        return None
+    if not isinstance(data, dict):
+        warn_ignored(log, path, "not a JSON object")
+        return None
+    return data
 
 
 def register_worker(directory: str | os.PathLike[str], local_rank: int, pid: int) -> None:
@@ -160,15 +219,33 @@ def unregister_worker(directory: str | os.PathLike[str], local_rank: int) -> Non
 
 
 def registered_workers(directory: str | os.PathLike[str]) -> dict[int, int]:
-    """Return ``{local_rank: pid}`` of the workers that registered."""
+    """Return ``{local_rank: pid}`` of the workers that registered.
+
+    A registration that is not ``{"pid": <int in [1, 2**31)>, "live": true}`` in a
+    regular file named ``worker.<digits>`` is ignored with a warning.
+    """
     found: dict[int, int] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for path in Path(directory).glob("worker.*"):
-            data = _read_json(path)
-            suffix = path.name.split(".", 1)[1]
-            if data and data.get("live") is True and suffix.isdigit():
-                with contextlib.suppress(TypeError, ValueError):
-                    found[int(suffix)] = int(data["pid"])
+    try:
+        paths = sorted(Path(directory).glob("worker.*"))
+    except OSError as exc:
+        warn_ignored(log, directory, f"cannot list the control directory ({exc.strerror or exc})")
+        return found
+    for path in paths:
+        suffix = path.name.split(".", 1)[1]
+        if not _SUFFIX.fullmatch(suffix):
+            warn_ignored(log, path, "not named worker.<local rank>")
+            continue
+        data = _read_json(path)
+        if data is None:
+            continue
+        try:
+            pid = _int_field(data, "pid", 1, _MAX_PID)
+            if data.get("live") is not True:
+                raise ValueError(f"live={_short(data.get('live'))}, not true")
+        except (KeyError, ValueError) as exc:
+            warn_ignored(log, path, f"malformed registration: {exc}")
+            continue
+        found[int(suffix)] = pid
     return found
 
 
@@ -179,13 +256,19 @@ def write_assignment(directory: str | os.PathLike[str], assignment: Assignment) 
 
 def read_assignment(directory: str | os.PathLike[str], local_rank: int) -> Assignment | None:
     """The last assignment written for ``local_rank`` (``None``: none or unreadable)."""
-    data = _read_json(Path(directory) / f"assign.{local_rank}")
+    path = Path(directory) / f"assign.{local_rank}"
+    data = _read_json(path)
     if data is None:
         return None
     try:
-        return Assignment.from_dict(data)
-    except ValueError:
+        found = Assignment.from_dict(data)
+    except ValueError as exc:
+        warn_ignored(log, path, str(exc))
         return None
+    if found.local_rank != local_rank:
+        warn_ignored(log, path, f"names local_rank {found.local_rank}, not {local_rank}")
+        return None
+    return found
 
 
 def clear(directory: str | os.PathLike[str]) -> None:
@@ -193,8 +276,12 @@ def clear(directory: str | os.PathLike[str]) -> None:
     with contextlib.suppress(FileNotFoundError):
         for path in Path(directory).iterdir():
             if path.name.startswith(("worker.", "assign.", ".")):
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # a directory planted at a control file's name
+                    warn_ignored(log, path, f"cannot remove it ({exc.strerror or exc})")
 
 
 class AssignmentWatch:
@@ -229,8 +316,12 @@ class AssignmentWatch:
         if force or now - self._checked >= self._min_interval_s:
             self._checked = now
             try:
-                st = os.stat(self._path)
+                # lstat: a link's own times decide when to look; the read refuses it.
+                st = os.lstat(self._path)
             except FileNotFoundError:
+                st = None
+            except OSError as exc:  # ENOTDIR, EACCES: as if there were no assignment
+                warn_ignored(log, self._path, f"cannot stat it ({exc.strerror or exc})")
                 st = None
             key = None if st is None else (st.st_mtime_ns, st.st_ino)
             if key is not None and key != self._seen:
