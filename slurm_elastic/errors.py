@@ -119,9 +119,11 @@ class StateExchangeError(SlurmElasticError):
     """
 
 
-class UnsafeDirectoryError(SlurmElasticError):
+class UnsafeDirectoryError(SlurmElasticError, PermissionError):
     """A directory of the product's own tree is a link, not a directory, owned by someone
-    else, or writable by group/others; the message names it and the fix."""
+    else, or writable by group/others; the message names it and the fix. Also a
+    ``PermissionError``, so code that handles an unusable directory (``OSError``) handles
+    this one too."""
 
 
 class AgentError(SlurmElasticError):

@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 
 from slurm_elastic.envvars import HEARTBEAT_FILE_ENV, NOTICE_FILE_ENV, PREEMPT_SIGNAL_ENV
 from slurm_elastic.errors import ConfigError
+from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.signals import DEFAULT_PREEMPT_SIGNAL, parse_signal
 
 __all__ = [
@@ -227,7 +228,7 @@ def write_node_file(path: str | os.PathLike[str], data: bytes) -> None:
             something that cannot be removed (a directory).
     """
     target = Path(path)
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ensure_private_dir(target.parent)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
@@ -469,7 +470,7 @@ class _HeartbeatWriter:
             return False
         if path != self.path or self.fd is None:
             self.close()
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            ensure_private_dir(Path(path).parent)
             self.fd = _open_heartbeat(path)
             self.path = path
         line = _LINE_FORMAT.format(step=step, time=time.time())
