@@ -20,7 +20,9 @@ Compatibility rules:
 * a reader keeps what it does not know: a record of an unknown kind (a newer version's)
   becomes an :class:`UnknownEvent` holding all its fields; fields a known kind does not
   declare are kept in ``extra``; a declared field missing from a record gets its default;
-* a torn last line (a writer killed mid-write) and non-object lines are skipped;
+* a torn last line (a writer killed mid-write) is skipped; so is a malformed line (not
+  JSON, not an object, a field not of its declared type), with a warning naming the file
+  and the line: the files are input (:func:`read_events` says how they are read);
 * new fields are added with defaults, never renamed; a change that breaks this bumps
   :data:`SCHEMA_VERSION`.
 
@@ -40,16 +42,19 @@ Slurm forgot the job.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
 import socket
 import stat
 import time
+import types
+import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 from slurm_elastic.envvars import EVENTS_DIR_ENV, RUN_ID_ENV
 from slurm_elastic.errors import UnsafeDirectoryError
@@ -514,17 +519,90 @@ class LiveDone(Event):
 
 # -- construction from records -------------------------------------------------------------
 
+#: Integers a reader accepts (steps, sizes, pids): anything larger is damage, not a count.
+_INT_BOUND = 1 << 63
+#: Times a reader accepts (Unix seconds): far beyond any run, yet differences stay finite.
+_TIME_BOUND = 1e12
 
-def event_from_record(record: Mapping[str, Any]) -> Event:
+
+_FIELD_TYPES: dict[type[Event], dict[str, tuple[Any, str]]] = {}
+
+
+def _field_types(cls: type[Event]) -> dict[str, tuple[Any, str]]:
+    """Declared field -> (its type, as written in the class) for the reader's type check."""
+    if cls not in _FIELD_TYPES:
+        hints = typing.get_type_hints(cls)
+        _FIELD_TYPES[cls] = {f.name: (hints[f.name], str(f.type)) for f in dataclasses.fields(cls)}
+    return _FIELD_TYPES[cls]
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON-decoded ``value`` has the declared type ``hint``.
+
+    ``bool`` is no ``int`` here (JSON ``true`` is no step), integers are bounded and
+    floats finite, so what a reader accepts cannot overflow the arithmetic of a summary.
+    """
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if hint is int:
+        return isinstance(value, int) and -_INT_BOUND < value < _INT_BOUND
+    if hint is float:
+        return isinstance(value, (int, float)) and abs(value) < _INT_BOUND
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if origin in (dict, Mapping):
+        return isinstance(value, dict) and all(
+            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items()
+        )
+    return False  # a type this check does not know: refuse rather than guess
+
+
+def _type_errors(cls: type[Event], fields: Mapping[str, Any]) -> str | None:
+    """What is wrongly typed among ``fields`` (declared fields of ``cls``), else None."""
+    declared = _field_types(cls)
+    for name, value in fields.items():
+        if name in declared and not _conforms(value, declared[name][0]):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            return f"field {name!r} is {shown}, not of type {declared[name][1]}"
+    return None
+
+
+def event_from_record(record: Mapping[str, Any], *, strict: bool = False) -> Event:
     """The typed event of one record; unknown kinds and fields are kept (module doc).
 
+    Args:
+        record: one decoded record.
+        strict: also refuse a record whose fields do not have their declared types (what
+            :func:`read_events` does: a file is input, a wrongly typed step would break
+            every reader downstream); base fields are checked for unknown kinds too.
+
     Raises:
-        ValueError: the record has no ``kind`` string or no numeric ``time``.
+        ValueError: the record has no ``kind`` string or no numeric ``time`` (strict: a
+            finite one), or (strict) a field is not of its declared type.
     """
     kind = record.get("kind")
     when = record.get("time")
-    if not isinstance(kind, str) or not isinstance(when, (int, float)):
+    if not isinstance(kind, str) or not isinstance(when, (int, float)) or isinstance(when, bool):
         raise ValueError(f"not an event record (kind={kind!r}, time={when!r})")
+    if strict:
+        if not abs(when) <= _TIME_BOUND:  # NaN fails this too
+            raise ValueError(f"time {when!r} is no Unix time")
+        present = {k: record[k] for k in ("host", "pid", "run_id", "v") if k in record}
+        problem = _type_errors(Event, present)
+        if problem is not None:
+            raise ValueError(problem)
     base: dict[str, Any] = {
         "time": float(when),
         "host": str(record.get("host", "")),
@@ -539,6 +617,10 @@ def event_from_record(record: Mapping[str, Any]) -> Event:
     declared = {f.name for f in dataclasses.fields(cls)} - set(_BASE_FIELDS) - {"extra"}
     known = {k: v for k, v in rest.items() if k in declared}
     extra = {k: v for k, v in rest.items() if k not in declared}
+    if strict:
+        problem = _type_errors(cls, known)
+        if problem is not None:
+            raise ValueError(problem)
     try:
         return cls(**base, **known, extra=extra)
     except TypeError:  # pragma: no cover - all declared fields have defaults
@@ -592,39 +674,163 @@ def emit(event: Event | str, /, **fields: Any) -> None:
 
 # -- reading -------------------------------------------------------------------------------
 
+#: A record is well under 1 KiB; a longer line is damage, skipped without being held.
+MAX_RECORD_BYTES = 1 << 20
+#: Of a bigger events file only the first and the last half of this many bytes are read
+#: (the run's start and its latest state): memory stays bounded whatever the file.
+MAX_EVENTS_FILE_BYTES = 64 << 20
+#: Warnings per file and read; the rest of a damaged file is counted, not listed.
+_MAX_WARNINGS = 5
+_CHUNK = 1 << 16
+# O_NONBLOCK: opening a FIFO returns at once (fstat then refuses it) instead of waiting
+# for a writer forever.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_warned: set[tuple[str, str]] = set()  # (file, what): said once per process (--watch)
 
-def _read_lines(path: Path) -> list[str]:
-    """The lines of one event file, opened without following a link; [] if unreadable."""
+
+def _warn(path: Path, message: str) -> None:
+    key = (str(path), message)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
+
+
+def _open_events_file(path: Path) -> BinaryIO | None:
+    """``path`` opened for reading: a regular file, not reached through a link; else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
-        log.debug("skipping event file %s: %s", path, exc)
-        return []
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            return []
-        return fh.read().decode("utf-8", errors="replace").splitlines()
+        if exc.errno == errno.ELOOP:
+            _warn(
+                path,
+                f"skipping events file {str(path)!r}: a symbolic link (event files "
+                "are never followed; remove it from the run's events directory)",
+            )
+        else:
+            log.debug("skipping events file %s: %s", path, exc)
+        return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        _warn(
+            path,
+            f"skipping events file {str(path)!r}: not a regular file "
+            f"({stat.filemode(mode)}); remove it from the run's events directory",
+        )
+        return None
+    return os.fdopen(fd, "rb")
+
+
+def _skip_line(fh: BinaryIO, budget: int) -> int:
+    """Read (and drop) up to the end of the current line; return the bytes read."""
+    used = 0
+    while used < budget:
+        piece = fh.readline(min(_CHUNK, budget - used))
+        if not piece:
+            break
+        used += len(piece)
+        if piece.endswith(b"\n"):
+            break
+    return used
+
+
+def _file_lines(path: Path, fh: BinaryIO) -> Iterator[tuple[str, bytes | None]]:
+    """(where, line) of each line of an events file; ``None`` for an overlong line.
+
+    ``where`` is ``line N`` (``the line at byte N`` after a skipped middle). Only the
+    bytes there when the file was opened are read (a live writer's next lines are the
+    next read's). A last line without its newline (a writer mid-write) is not yielded.
+    """
+    size = os.fstat(fh.fileno()).st_size
+    half = MAX_EVENTS_FILE_BYTES // 2
+    pos, number, counting = 0, 0, True
+    while pos < size:
+        if size > MAX_EVENTS_FILE_BYTES and half <= pos < size - half:
+            start = size - half  # the middle: skipped, said once
+            _warn(
+                path,
+                f"{str(path)!r} is {size} bytes: read its first and last "
+                f"{half >> 20} MiB only (bytes {pos}-{start} skipped)",
+            )
+            fh.seek(start - 1)
+            mid_line = fh.read(1) != b"\n"
+            pos = start + (_skip_line(fh, size - start) if mid_line else 0)
+            counting = False
+            continue
+        where = f"line {number + 1}" if counting else f"the line at byte {pos}"
+        number += 1
+        line = fh.readline(min(MAX_RECORD_BYTES + 1, size - pos))
+        if not line:
+            return
+        pos += len(line)
+        if not line.endswith(b"\n"):
+            if len(line) <= MAX_RECORD_BYTES:
+                return  # torn last line
+            pos += _skip_line(fh, size - pos)
+            yield where, None
+            continue
+        yield where, line
+
+
+def _parse(line: bytes) -> dict[str, Any]:
+    """One line's JSON object. NaN and Infinity are no JSON (nor is a number of 5000
+    digits or an array nested 100000 deep: ValueError, RecursionError).
+
+    Raises:
+        ValueError: not a JSON object.
+    """
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not a number in JSON")
+
+    try:
+        record = json.loads(line.decode("utf-8", errors="replace"), parse_constant=refuse)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({str(exc)[:80]})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not a JSON object but {type(record).__name__}")
+    return record
+
+
+def _file_events(path: Path) -> Iterator[Event]:
+    """The well-formed events of one file; the rest skipped with a warning."""
+    fh = _open_events_file(path)
+    if fh is None:
+        return
+    bad = 0
+    with fh:
+        for where, line in _file_lines(path, fh):
+            if line is not None and not line.strip():
+                continue
+            try:
+                if line is None:
+                    raise ValueError(f"longer than {MAX_RECORD_BYTES} bytes")
+                event = event_from_record(_parse(line), strict=True)
+            except ValueError as exc:
+                bad += 1
+                if bad <= _MAX_WARNINGS:
+                    _warn(path, f"skipping {where} of {str(path)!r}: {exc}")
+                continue
+            yield event
+    if bad > _MAX_WARNINGS:
+        _warn(path, f"skipped {bad - _MAX_WARNINGS} more malformed lines of {str(path)!r}")
 
 
 def read_events(directory: str | os.PathLike[str]) -> Iterator[Event]:
     """Yield every well-formed event under ``directory``, ordered by time.
 
-    Torn or malformed lines are skipped; unknown kinds come back as :class:`UnknownEvent`.
-    A missing directory yields nothing.
+    The files are input, possibly damaged or planted by someone else: they are read line
+    by line (a record of at most :data:`MAX_RECORD_BYTES`, at most
+    :data:`MAX_EVENTS_FILE_BYTES` of a file), never through a link, never a FIFO or
+    device. A malformed line (not JSON, no event, a field not of its declared type) is
+    skipped with a warning naming the file and the line; a torn last line silently.
+    Unknown kinds come back as :class:`UnknownEvent`. A missing directory yields nothing.
     """
     out: list[Event] = []
     for path in sorted(Path(directory).glob("*.jsonl")):
-        for line in _read_lines(path):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of a writer that died mid-write
-            if not isinstance(record, dict):
-                continue
-            try:
-                out.append(event_from_record(record))
-            except ValueError:
-                continue
+        out.extend(_file_events(path))
     out.sort(key=lambda e: e.time)
     yield from out
 

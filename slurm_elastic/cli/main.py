@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from slurm_elastic import __version__
+from slurm_elastic.cli.untrusted import printable
 from slurm_elastic.config import ElasticConfig, cli_flags, field_type, load_config
 from slurm_elastic.envvars import LOG_LEVEL_ENV
 from slurm_elastic.errors import ConfigError, SlurmElasticError
@@ -349,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
+    """The message on one line, control characters escaped (it may quote a file's text)."""
+    return printable(" ".join(str(exc).split()))
 
 
 if __name__ == "__main__":  # pragma: no cover

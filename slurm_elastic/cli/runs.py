@@ -50,6 +50,9 @@ class RunLocation:
         slurm_job: the Slurm job id to ask about task states (``None`` for local runs).
         output_files: the node output files known besides the events (local nodes'
             ``node<i>.log``, Slurm's ``StdOut`` files).
+        log_dir: the workers' log directory when the run index names one besides the
+            state directory (``log_dir`` configured); files the events name are read only
+            inside ``state_dir`` and ``log_dir``.
     """
 
     run_id: str
@@ -57,6 +60,7 @@ class RunLocation:
     state_dir: Path | None = None
     slurm_job: str | None = None
     output_files: list[Path] = field(default_factory=list)
+    log_dir: Path | None = None
 
 
 def _is_slurm_id(run_id: str) -> bool:
@@ -79,7 +83,18 @@ def _from_events_dir(path: Path, state_dir: Path | None = None) -> RunLocation:
         state_dir=state_dir,
         slurm_job=run_id if _is_slurm_id(run_id) else None,
         output_files=outputs,
+        log_dir=_indexed_log_dir(run_id, path),
     )
+
+
+def _indexed_log_dir(run_id: str, events_dir: Path) -> Path | None:
+    """The log directory the (private) run index records for the run of ``events_dir``."""
+    entry = events.find_run(run_id) if _RUN_ID.match(run_id) else None
+    if entry is None or not entry.log_dir:
+        return None
+    if os.path.realpath(entry.events_dir) != os.path.realpath(events_dir):
+        return None  # another run of the same name: its directories are not this one's
+    return Path(entry.log_dir)
 
 
 def _from_directory(path: Path) -> RunLocation:
@@ -155,7 +170,9 @@ def locate(job: str, client: SlurmClient | None = None) -> RunLocation:
         if _is_slurm_id(run_id):
             found = _from_slurm(run_id, client or SlurmClient())
             outputs = found.output_files if found is not None else outputs
-        return RunLocation(run_id, base.events_dir, base.state_dir, base.slurm_job, outputs)
+        return RunLocation(
+            run_id, base.events_dir, base.state_dir, base.slurm_job, outputs, base.log_dir
+        )
     if _is_slurm_id(run_id):
         found = _from_slurm(run_id, client or SlurmClient())
         if found is not None:

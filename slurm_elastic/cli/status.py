@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from slurm_elastic import events as ev
 from slurm_elastic.cli.runs import RunLocation, locate
 from slurm_elastic.cli.summary import THROUGHPUT_WINDOW_S, RunSummary, SlurmTask, summarize_run
+from slurm_elastic.cli.untrusted import printable
 from slurm_elastic.errors import SlurmElasticError, SlurmError
 from slurm_elastic.slurm.commands import SlurmClient
 
@@ -105,7 +106,8 @@ def collect(
     rdzv = None
     for e in evs:
         if isinstance(e, ev.AgentStart):
-            rdzv = e.config.get("rdzv_endpoint") or rdzv
+            endpoint = e.config.get("rdzv_endpoint")
+            rdzv = endpoint if isinstance(endpoint, str) and "\0" not in endpoint else rdzv
     names = [e.node for e in evs if isinstance(e, ev.RendezvousComplete)]
     tasks: list[SlurmTask] = []
     error = None
@@ -132,10 +134,11 @@ def progress_line(s: RunSummary) -> str:
         parts.append(f"step {s.step}")
     if s.steps_per_s:
         parts.append(f"{s.steps_per_s:.2f} steps/s")
-    return "  ".join(parts)
+    return printable("  ".join(parts))  # the state and host names come from files
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [[printable(cell) for cell in row] for row in rows]  # names come from files
     widths = [
         max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
     ]
@@ -206,7 +209,7 @@ def render_table(s: RunSummary) -> str:
     if s.unknown_events:
         lines.append(f"({s.unknown_events} event(s) of kinds this version does not know)")
     lines.append(f"events: {s.events_dir}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(printable(line) for line in lines) + "\n"
 
 
 class ProgressPrinter:
@@ -304,7 +307,8 @@ class WaitProgress:
                 self._location = locate(job_id, self._client or SlurmClient())
         waited = time.monotonic() - self._started
         if self._location is None:
-            self._printer.show(f"{format_duration(waited):>7}  {state:<9}  world -", (state,))
+            line = printable(f"{format_duration(waited):>7}  {state:<9}  world -")
+            self._printer.show(line, (state,))
             return
         s = collect(self._location, slurm=False)
         s.state = state

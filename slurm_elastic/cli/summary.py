@@ -208,10 +208,13 @@ class RunSummary:
 
 
 def _natural(key: str) -> list[Any]:
-    """``12_10`` after ``12_9``: digits compare as numbers."""
-    return [
-        (0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", key)
-    ]
+    """``12_10`` after ``12_9``: digits compare as numbers (by length, then digits: no
+    int() of a host name of 5000 digits)."""
+    out: list[Any] = []
+    for part in re.split(r"([0-9]+)", key):
+        digits = part.lstrip("0")
+        out.append((0, len(digits), digits) if part.isdigit() else (1, 0, part))
+    return out
 
 
 def _node_key(start: ev.AgentStart, shared_hosts: set[str]) -> str:
@@ -231,7 +234,7 @@ def _throughput(
         dt, ds = b.time - a.time, b.step - a.step
         if a.pid != b.pid:  # a new worker (restart): a gap, not a line across it
             series.append((b.time, math.nan))
-        elif dt > 0 and ds > 0:
+        elif dt > 0 and ds > 0 and math.isfinite(ds / dt):
             series.append((b.time, ds / dt))
     if not progress:
         return None, None, series
@@ -241,10 +244,12 @@ def _throughput(
         rates = [r for _, r in series if not math.isnan(r)]
         return (rates[-1] if rates else None), None, series
     dt = same[-1].time - same[0].time
-    steps = (same[-1].step - same[0].step) / dt
+    steps: float | None = (same[-1].step - same[0].step) / dt
     samples = None
     if same[-1].samples is not None and same[0].samples is not None:
         samples = (same[-1].samples - same[0].samples) / dt
+    steps = steps if steps is not None and math.isfinite(steps) else None
+    samples = samples if samples is not None and math.isfinite(samples) else None
     return steps, samples, series
 
 

@@ -13,12 +13,14 @@ Needs matplotlib (the ``plot`` extra: ``pip install 'slurm-elastic[plot]'``).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any, TextIO
 
 from slurm_elastic.cli.runs import locate
 from slurm_elastic.cli.summary import RunSummary
+from slurm_elastic.cli.untrusted import printable
 from slurm_elastic.errors import SlurmElasticError
 from slurm_elastic.slurm.commands import SlurmClient
 
@@ -43,6 +45,10 @@ def _world_colour(nodes: int, most: int) -> Any:
 def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
     """Draw the timeline of a summarized run into ``output`` (PNG, SVG, PDF by suffix).
 
+    Host names, run ids and states come from the run's files: they are drawn literally
+    (no ``$...$`` mathtext, which raises on a name it cannot parse; control characters
+    escaped).
+
     Raises:
         SlurmElasticError: matplotlib is missing, or the run has no events.
     """
@@ -51,12 +57,20 @@ def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
     except ImportError as exc:
         raise SlurmElasticError(
             "timeline needs matplotlib: pip install 'slurm-elastic[plot]'"
         ) from exc
+    with plt.rc_context({"text.parse_math": False}):
+        _draw(s, output)
+
+
+def _draw(s: RunSummary, output: str | os.PathLike[str]) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
     if s.started is None:
         raise SlurmElasticError(
             f"run {s.run_id} has no events yet ({s.events_dir}); nothing to draw"
@@ -79,7 +93,7 @@ def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
         figsize=(11, fig_h),
         gridspec_kw={"height_ratios": [max(2.0, 0.55 * len(nodes) + 0.8), 1.2, 1.4]},
     )
-    title = f"run {s.run_id}: {s.state}, {span_min:.1f} min"
+    title = printable(f"run {s.run_id}: {s.state}, {span_min:.1f} min")
     if s.step is not None:
         title += f", step {s.step}" + (f"/{s.total_steps}" if s.total_steps else "")
     fig.suptitle(title, fontsize=13, fontweight="bold")
@@ -89,7 +103,9 @@ def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
     for i, node in enumerate(nodes):
         y = len(nodes) - 1 - i
         label = (
-            node.key if node.name in ("", *node.key.split(":")) else f"{node.key}\n({node.name})"
+            printable(node.key)
+            if node.name in ("", *node.key.split(":"))
+            else f"{printable(node.key)}\n({printable(node.name)})"
         )
         labels.append((y, label))
         for iv in node.intervals:
@@ -158,7 +174,7 @@ def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
         ax_w.fill_between(xs, ys, step="post", alpha=0.15, color="#1f77b4")
     ax_w.set_ylabel("nodes")
     ax_w.set_ylim(0, most + 0.6)
-    ax_w.set_yticks(range(0, most + 1))
+    ax_w.yaxis.set_major_locator(MaxNLocator(integer=True))  # not one tick per node
     ax_w.set_title("world size", loc="left", fontsize=10)
     ax_w.grid(alpha=0.3)
 
@@ -167,7 +183,7 @@ def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
         xs = [m(t) for t, _ in s.throughput_series]
         rates = [v for _, v in s.throughput_series]
         ax_t.plot(xs, rates, color="#ff7f0e", marker=".", linewidth=1.2)
-        finite = [r for r in rates if r == r]  # NaN marks a worker restart: a gap
+        finite = [r for r in rates if math.isfinite(r)]  # NaN marks a worker restart: a gap
         ax_t.set_ylim(0, max([*finite, 1e-9]) * 1.2)
     else:
         ax_t.text(
