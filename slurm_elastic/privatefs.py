@@ -76,6 +76,12 @@ def _open_child(parent_fd: int, name: str, path: Path, create: bool) -> tuple[in
                 os.mkdir(name, 0o700, dir_fd=parent_fd)
             except FileExistsError:
                 continue  # created concurrently: opened and checked as existing
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"cannot create directory {path} ({exc.strerror}); point it at a "
+                    "writable directory on the shared filesystem",
+                ) from exc
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
             st = os.fstat(fd)
             if st.st_uid == os.geteuid():
