@@ -33,6 +33,13 @@ as it arrives while the kernel reads ahead; only when the CRC and size match the
 record is the header
 parsed; every tensor then has its own storage inside that buffer (no copy), which the
 buffer outlives.
+
+Damage vs environment: only this format's evidence (the size, the CRC32, a header or tree
+this writer never produces) raises :class:`~slurm_elastic.errors.CheckpointCorruptError`;
+an I/O or memory error while reading raises
+:class:`~slurm_elastic.checkpoint.trust.CheckpointReadError` (the file is intact and stays).
+The reader returns CPU tensors: moving them to a device is the serializer's, after the
+parse (a device missing on this node is not damage either).
 """
 
 from __future__ import annotations
@@ -43,22 +50,24 @@ import itertools
 import json
 import mmap
 import os
-import stat
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import crc32, crc32_mapping
-from slurm_elastic.errors import CheckpointCorruptError
+from slurm_elastic.checkpoint.trust import CheckedDir, check_fd, read_error
+from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
     "DTYPES",
     "MAGIC",
+    "Parsed",
     "Unsupported",
     "check_records",
     "decode_tree",
@@ -312,24 +321,33 @@ def write_container(
 # ---------------------------------------------------------------------------- read
 
 
-def _open_checked(path: Path, expected_size: int) -> tuple[int, int]:
-    """Open ``path`` (no links), check it is our private regular file of the recorded size."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_checked(path: Path, expected_size: int, at: CheckedDir | None) -> tuple[int, int]:
+    """Open ``path`` (no links; through the held directory ``at`` when given: ours and
+    private, checked on the open descriptor) and check it has the recorded size."""
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise CheckpointCorruptError(f"checkpoint file {path} changed while being opened")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise CheckpointCorruptError(f"checkpoint file {path} became writable by others")
-        if st.st_size != expected_size:
+        fd = at.open_file(path.name) if at is not None else os.open(path, _FILE_FLAGS)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing ({exc})") from exc
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise read_error(exc, f"checkpoint file {path}") from exc
+    try:
+        if at is None:  # opened by path: the file itself must still be ours and private
+            check_fd(fd, path, directory=False)
+        size = os.fstat(fd).st_size
+        if size != expected_size:
             raise CheckpointCorruptError(
-                f"checkpoint file {path} has {st.st_size} bytes, manifest says "
+                f"checkpoint file {path} has {size} bytes, manifest says "
                 f"{expected_size} (truncated or overwritten)"
             )
     except BaseException:
         os.close(fd)
         raise
-    return fd, st.st_size
+    return fd, size
 
 
 def _read_into(fd: int, view: memoryview) -> int:
@@ -354,21 +372,47 @@ def _read_into(fd: int, view: memoryview) -> int:
     return crc
 
 
+class Parsed(NamedTuple):
+    """A verified, parsed container: the state with CPU tensors, and how to rebuild it
+    with the same tensors elsewhere (``decode_tree(tree, moved_tensors)``)."""
+
+    state: Any
+    tree: Any
+    tensors: list[torch.Tensor]
+    devices: list[str]  # where each tensor was saved from
+
+
 def read_container(
-    path: Path, *, expected_size: int, expected_crc: int, map_location: Any, use_mmap: bool
-) -> Any:
+    path: Path,
+    *,
+    expected_size: int,
+    expected_crc: int,
+    use_mmap: bool,
+    at: CheckedDir | None = None,
+) -> Parsed:
     """Read, verify (size and CRC32 against the manifest record), then parse ``path``.
 
     Nothing of the file is parsed before every byte matched the CRC32. With ``use_mmap``
     the tensors are copy-on-write views of a private mapping of the file (the file is
-    never changed through them); otherwise of one buffer the file was read into.
+    never changed through them); otherwise of one buffer the file was read into. Fault
+    point ``"read_file"`` right after the open (tests only).
+
+    Args:
+        path: the file (its name is opened relative to ``at`` when given).
+        expected_size: the manifest's size.
+        expected_crc: the manifest's CRC32.
+        use_mmap: map the file instead of reading it.
+        at: the held, checked checkpoint directory (what was verified is what is read).
 
     Raises:
-        CheckpointCorruptError: a size or CRC32 mismatch, or a header that cannot be
-            parsed (the message names ``path``).
+        CheckpointCorruptError: a size or CRC32 mismatch, a missing file, or a header or
+            tree this writer never produces (the message names ``path``).
+        CheckpointReadError: an I/O or memory error (the file is intact and stays).
+        UntrustedCheckpointError: the file is not ours, writable by others, or a link.
     """
-    fd, size = _open_checked(path, expected_size)
+    fd, size = _open_checked(path, expected_size, at)
     try:
+        _faults.point("read_file")
         buf: Any
         if use_mmap and size > 0:
             buf = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -378,6 +422,8 @@ def read_container(
             with suppress(OSError, AttributeError):
                 buf.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults while reading into it
             crc = _read_into(fd, memoryview(buf).cast("B")) if size else 0
+    except (OSError, MemoryError) as exc:
+        raise read_error(exc, f"checkpoint file {path}") from exc
     finally:
         os.close(fd)
     if crc != expected_crc:
@@ -386,29 +432,17 @@ def read_container(
             f"{expected_crc:#010x}; flipped bytes)"
         )
     try:
-        return _parse(buf, _location(map_location))
+        tree, tensors, devices = _parse(buf)
+        return Parsed(decode_tree(tree, tensors), tree, tensors, devices)
     except CheckpointCorruptError:
         raise
+    except MemoryError as exc:
+        raise read_error(exc, f"checkpoint file {path}") from exc
     except Exception as exc:
         raise CheckpointCorruptError(
             f"checkpoint file {path} verified but its header cannot be parsed "
             f"({type(exc).__name__}: {exc})"
         ) from exc
-
-
-def _location(map_location: Any) -> Callable[[str], str]:
-    if map_location is None:
-        return lambda saved: saved  # where it was saved from, as torch.load does
-    if isinstance(map_location, (str, torch.device)):
-        target = str(map_location)
-        return lambda saved: target
-    if isinstance(map_location, dict):
-        table = {str(k): str(v) for k, v in map_location.items()}
-        return lambda saved: table.get(saved, saved)
-    raise CheckpointCorruptError(
-        f"map_location={map_location!r} is not supported for this checkpoint format; "
-        "pass a device (e.g. 'cpu', 'cuda:0') or a dict of device names"
-    )
 
 
 def _int(value: Any, what: str) -> int:
@@ -489,7 +523,9 @@ def check_records(records: Any, data_size: int) -> list[Record]:
     return checked
 
 
-def _parse(buf: Any, location: Callable[[str], str]) -> Any:
+def _parse(buf: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
+    """``(tree, tensors, saved devices)``: the header checked, every tensor a CPU view of
+    ``buf`` (no device move here: a device error is not damage)."""
     view = memoryview(buf).cast("B")
     size = len(view)
     magic, hlen = _PREFIX.unpack(bytes(view[: _PREFIX.size]))
@@ -503,17 +539,16 @@ def _parse(buf: Any, location: Callable[[str], str]) -> Any:
     if type(start) is not int or not _PREFIX.size + hlen <= start <= size:
         raise CheckpointCorruptError(f"bad data_start {start!r}")
     tensors = []
+    devices = []
     for rec in check_records(header.get("tensors"), size - start):
         if rec.nbytes == 0:
             t = torch.empty(rec.shape, dtype=rec.dtype)
         else:  # its own storage (offset 0) inside buf; it keeps buf alive
             t = torch.frombuffer(buf, dtype=rec.dtype, count=rec.numel, offset=start + rec.offset)
             t = t.view(rec.shape)
-        device = location(rec.device)
-        if device != "cpu":
-            t = t.to(device)
         tensors.append(t)
-    return decode_tree(header.get("tree"), tensors)
+        devices.append(rec.device)
+    return header.get("tree"), tensors, devices
 
 
 def decode_tree(node: Any, tensors: list[Any]) -> Any:

@@ -5,11 +5,20 @@ It composes three parts: the torch-free :class:`~slurm_elastic.checkpoint.store.
 directory), the :mod:`~slurm_elastic.checkpoint.serializer` (our pickle-free container,
 ``torch.save`` as the fallback; CRC32 computed while writing) and the :class:`~slurm_elastic.checkpoint.saver.AsyncSaver` (host staging plus one
 background writer). Crash points for tests: :mod:`slurm_elastic.checkpoint._faults`.
+
+Loading tells damage from the environment: only our format's evidence (size, CRC32, a
+manifest or header that does not parse) skips a checkpoint as damaged; a device that does
+not exist on this node, an I/O or memory error raise
+:class:`~slurm_elastic.checkpoint.trust.CheckpointReadError` and leave every checkpoint in
+place (a run never restarts from scratch, nor its first save replaces a good step, because
+of a node's problem). Checkpoints are bound to their run (``run_id``, by default
+``$SLURM_ELASTIC_RUN_ID``): another run's directory is never resumed from or pruned.
 """
 
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import os
 import time
@@ -24,7 +33,7 @@ from slurm_elastic import events
 from slurm_elastic.checkpoint import _faults, exchange
 from slurm_elastic.checkpoint.manifest import Manifest
 from slurm_elastic.checkpoint.saver import AsyncSaver, CheckpointFlushTimeout
-from slurm_elastic.checkpoint.serializer import STATE_FILE, read_state, write_state
+from slurm_elastic.checkpoint.serializer import STATE_FILE, check_device, read_state, write_state
 from slurm_elastic.checkpoint.store import (
     REPLACED_PREFIX,
     TMP_PREFIX,
@@ -32,9 +41,13 @@ from slurm_elastic.checkpoint.store import (
     CheckpointStore,
     checked_metadata,
     checked_step,
-    describe_os_error,
 )
-from slurm_elastic.envvars import CHECKPOINT_DIR_ENV
+from slurm_elastic.checkpoint.trust import (
+    CheckpointReadError,
+    ForeignRunError,
+    UntrustedCheckpointError,
+)
+from slurm_elastic.envvars import CHECKPOINT_DIR_ENV, RUN_ID_ENV
 from slurm_elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -66,6 +79,67 @@ class LoadedCheckpoint:
     manifest: Manifest
 
 
+# A failure on rank 0 reaches the other ranks as (class name, message), never as a pickled
+# exception: only these classes are re-created.
+_FAILURES: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError,
+        CheckpointCorruptError,
+        UntrustedCheckpointError,
+        ForeignRunError,
+        CheckpointReadError,
+    )
+}
+
+
+def failure_message(exc: CheckpointError | None) -> list[str] | None:
+    """``[class name, message]`` of a checkpoint error, to send to other ranks."""
+    if exc is None:
+        return None
+    name = type(exc).__name__ if type(exc).__name__ in _FAILURES else "CheckpointError"
+    return [name, str(exc)]
+
+
+def failure_of(message: Any) -> CheckpointError | None:
+    """The error :func:`failure_message` described (unknown names: ``CheckpointError``)."""
+    if message is None:
+        return None
+    name, text = message
+    return _FAILURES.get(str(name), CheckpointError)(str(text))
+
+
+def describe_os_error(
+    exc: OSError, path: Path, action: str, *, leftover: Path | None = None
+) -> str:
+    """Return a message naming the path, the cause and the fix for a failed write.
+
+    ``leftover``: a temporary that could not be removed; the message names it.
+    """
+    code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        hint = (
+            "no space left on the filesystem (or quota exceeded): free space there (for "
+            "example remove old step_* checkpoints you no longer need) or point the "
+            "checkpoint directory at a larger filesystem"
+        )
+        try:
+            vfs = os.statvfs(path.parent)
+            hint += f"; {vfs.f_bavail * vfs.f_frsize} bytes are free"
+        except OSError:
+            pass
+    elif code in (errno.EACCES, errno.EPERM):
+        hint = "permission denied: make the directory writable by this user"
+    elif code == errno.EROFS:
+        hint = "the filesystem is mounted read-only: choose a writable checkpoint directory"
+    else:
+        hint = os.strerror(code) if code else str(exc)
+    message = f"cannot {action} {path}: {hint} ({exc}); previous checkpoints are intact"
+    if leftover is not None:
+        message += f"; the partial temporary {leftover} could not be removed: remove it by hand"
+    return message
+
+
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -86,6 +160,11 @@ class CheckpointManager:
         rank: this process's rank (default: torch.distributed, else ``$RANK``, else 0).
         weights_only: passed to ``torch.load``; the default ``True`` refuses arbitrary
             pickled objects (loading a checkpoint then cannot run code).
+        run_id: the run these checkpoints belong to: recorded in every manifest; loading,
+            saving or pruning in a directory holding another run's checkpoints raises
+            :class:`~slurm_elastic.checkpoint.trust.ForeignRunError`. ``None`` (default):
+            ``$SLURM_ELASTIC_RUN_ID`` (the agent sets it for its workers), else no run;
+            ``""``: no run (nothing recorded; every checkpoint accepted).
 
     Raises:
         CheckpointError: ``keep_last``/``keep_every`` < 1.
@@ -99,8 +178,13 @@ class CheckpointManager:
         keep_every: int | None = None,
         rank: int | None = None,
         weights_only: bool = True,
+        run_id: str | None = None,
     ) -> None:
-        self.store = CheckpointStore(directory, keep_last=keep_last, keep_every=keep_every)
+        if run_id is None:
+            run_id = os.environ.get(RUN_ID_ENV) or None
+        self.store = CheckpointStore(
+            directory, keep_last=keep_last, keep_every=keep_every, run_id=run_id or None
+        )
         self._rank = rank
         self.weights_only = weights_only
         self._saver = AsyncSaver()
@@ -113,6 +197,11 @@ class CheckpointManager:
     def directory(self) -> Path:
         """The checkpoint directory."""
         return self.store.directory
+
+    @property
+    def run_id(self) -> str | None:
+        """The run these checkpoints belong to (``None``: no run)."""
+        return self.store.run_id
 
     @property
     def keep_last(self) -> int | None:
@@ -261,6 +350,7 @@ class CheckpointManager:
                 world_size=_dist_rank_world()[1],
                 files=(record,),
                 metadata=metadata,
+                run=store.run_id,
             )
             action = "commit checkpoint"
             final = store.commit(tmp, manifest)
@@ -322,9 +412,12 @@ class CheckpointManager:
     ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint that is complete and verifies.
 
-        Damaged checkpoints are skipped with a WARNING naming them (never deleted, never
-        returned). Under an initialized process group rank 0 chooses and broadcasts the
-        step, so all ranks load the same one (every rank must then call this).
+        Damaged checkpoints (our format's evidence: size, CRC32, parse) are skipped with a
+        WARNING naming them (never deleted, never returned). Anything else raises and
+        leaves every checkpoint in place: a device that does not exist here, an I/O or
+        memory error, an untrusted path, another run's directory. Under an initialized
+        process group rank 0 chooses and broadcasts the step (or its error, raised on every
+        rank), so all ranks load the same one (every rank must then call this).
 
         Args:
             map_location: as for ``torch.load``.
@@ -339,27 +432,50 @@ class CheckpointManager:
 
         Raises:
             CheckpointCorruptError: the chosen checkpoint fails on a non-zero rank.
+            CheckpointReadError: ``map_location`` names a device this node lacks, or an
+                I/O or memory error (nothing is skipped or changed for it).
+            ForeignRunError: the directory holds another run's checkpoints.
+            UntrustedCheckpointError: a checkpoint path is not ours or writable by others.
             CheckpointError: a checkpoint verifies but cannot be unpickled with
                 ``weights_only`` (never silently skipped: that would restart from scratch).
         """
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         loaded: LoadedCheckpoint | None = None
+        failure: CheckpointError | None = None
         if not distributed or dist.get_rank() == 0:
-            self.store.recover()  # a re-save that died between its renames
-            self.store.warn_incomplete()
-            for info in reversed(self.list_checkpoints()):
-                try:
-                    loaded = self.load(info.step, map_location, mmap=mmap)
-                    break
-                except CheckpointCorruptError as exc:
-                    self.store.report_damaged(info, exc)
+            try:
+                loaded = self._load_newest(map_location, mmap)
+            except CheckpointError as exc:
+                if not distributed or dist.get_world_size() == 1:
+                    raise
+                failure = exc
         if distributed and dist.get_world_size() > 1:
-            # the step as one int64 tensor (never a pickled object from a peer)
-            step = exchange.broadcast_int(loaded.step if loaded else None, 0)
+            # the step and any failure as plain values (never a pickled object from a peer)
+            step, message = exchange.broadcast(
+                [loaded.step if loaded else None, failure_message(failure)], 0
+            )
+            failure = failure if dist.get_rank() == 0 else failure_of(message)
+            if failure is not None:
+                raise failure
             if dist.get_rank() != 0:
+                if step is not None and type(step) is not int:
+                    raise CheckpointError(f"rank 0 chose checkpoint {step!r:.40}, not a step")
                 return None if step is None else self.load(step, map_location, mmap=mmap)
         return loaded
+
+    def _load_newest(self, map_location: Any, mmap: bool | None) -> LoadedCheckpoint | None:
+        check_device(map_location)  # a device missing here is the node's problem
+        self.store.recover()  # a re-save that died between its renames
+        self.store.warn_incomplete()
+        infos = self.list_checkpoints()
+        self.store.check_directory_run(infos)
+        for info in reversed(infos):
+            try:
+                return self.load(info.step, map_location, mmap=mmap)
+            except CheckpointCorruptError as exc:  # our format's evidence only
+                self.store.report_damaged(info, exc)
+        return None
 
     def load(
         self, step: int, map_location: Any = "cpu", *, mmap: bool | None = None
@@ -372,23 +488,35 @@ class CheckpointManager:
         only a match is parsed.
         A ``state.pt`` file (``torch.save``) is CRCed first, then ``torch.load`` reads it.
 
+        Everything is opened through held directory descriptors (no links), so what was
+        checked is what is read.
+
         Raises:
             CheckpointCorruptError: missing, incomplete or damaged.
             UntrustedCheckpointError: not owned by this user, or writable by others.
+            ForeignRunError: another run's checkpoint.
+            CheckpointReadError: a device missing here, an I/O or memory error (it stays).
             CheckpointError: not a replicated checkpoint, or not weights-only loadable.
         """
         path = self.store.step_path(step)
         start = time.perf_counter()
-        # owner, mode and size of everything; read_state checks every CRC32 before parsing
-        manifest = self.store.verify(step, deep=False)
-        if manifest.kind != "replicated" or len(manifest.files) != 1:
-            raise CheckpointError(
-                f"checkpoint {path} is {manifest.kind!r}; load it with "
-                "slurm_elastic.checkpoint.sharded.load_sharded"
+        check_device(map_location)
+        with self.store.open_checkpoint(step) as held:
+            # owner, mode and size of everything; read_state checks every CRC32 first
+            manifest = self.store.verify(step, deep=False, at=held)
+            if manifest.kind != "replicated" or len(manifest.files) != 1:
+                raise CheckpointError(
+                    f"checkpoint {path} is {manifest.kind!r}; load it with "
+                    "slurm_elastic.checkpoint.sharded.load_sharded"
+                )
+            state = read_state(
+                path,
+                manifest.files[0],
+                map_location,
+                weights_only=self.weights_only,
+                mmap=mmap,
+                at=held,
             )
-        state = read_state(
-            path, manifest.files[0], map_location, weights_only=self.weights_only, mmap=mmap
-        )
         seconds = time.perf_counter() - start
         log.info("checkpoint step %d loaded from %s", step, path)
         events.emit(events.CheckpointLoaded(step=step, path=str(path), seconds=seconds))

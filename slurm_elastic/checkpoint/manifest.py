@@ -33,12 +33,27 @@ lowering save bandwidth (:func:`crc32`: ISA-L's hardware-accelerated CRC32 from 
 ``isal`` package, ~12 GB/s here, else ``zlib.crc32``, 1.3-3 GB/s; the same values); it
 detects truncation and bit flips, which is its job (it is not a defence against tampering:
 that is the ownership rule of :mod:`slurm_elastic.checkpoint.trust`).
+
+A manifest names its run (format 3: ``run``, the run id, ``null`` outside a run), so a
+run never resumes from or prunes another run's checkpoints (the store checks it).
+Manifests written before (formats 1 and 2, no ``run``) still load: they name no run.
+
+Reading: only our own format's evidence (a missing file the manifest names, a size, a
+CRC32, a manifest that does not parse) raises
+:class:`~slurm_elastic.errors.CheckpointCorruptError`; an I/O or memory error raises
+:class:`~slurm_elastic.checkpoint.trust.CheckpointReadError` (the checkpoint is not
+damaged and stays). Every data file read for a CRC32 passes the fault point
+``"read_file"`` (:mod:`slurm_elastic.checkpoint._faults`, tests only) right after it is
+opened.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import mmap
+import operator
 import os
 import re
 import stat
@@ -52,13 +67,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_elastic.errors import CheckpointCorruptError
+from slurm_elastic.checkpoint import _faults
+from slurm_elastic.checkpoint.trust import CheckedDir, UntrustedCheckpointError, read_error
+from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
     "MANIFEST_NAME",
     "FileRecord",
     "Manifest",
+    "checked_metadata",
+    "checked_step",
     "crc32",
+    "crc32_fd",
     "crc32_file",
     "fsync_dir",
     "parse_step_dir",
@@ -82,7 +102,9 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
 
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+_MAX_RUN_CHARS = 256
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _SAFE_NAME = re.compile(r"^(?!\.\.?$)[^/\x00]{1,255}$")
 _MAX_MANIFEST_BYTES = 64 << 20
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -121,6 +143,8 @@ class Manifest:
         files: every data file with size and CRC32.
         created: Unix time of the commit.
         metadata: small JSON-able user fields (epoch, sample offset, ...).
+        run: the run id of the run that wrote it (``None``: written outside a run, or
+            before manifests named their run: formats 1 and 2).
     """
 
     step: int
@@ -130,6 +154,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    run: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -137,7 +162,7 @@ class Manifest:
         return sum(f.bytes for f in self.files)
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "format_version": self.format_version,
             "step": self.step,
             "kind": self.kind,
@@ -147,6 +172,9 @@ class Manifest:
             "files": [{"name": f.name, "bytes": f.bytes, "crc32": f.crc32} for f in self.files],
             "metadata": dict(self.metadata),
         }
+        if self.format_version >= 3:
+            body["run"] = self.run
+        return body
 
     def to_json(self) -> str:
         """Serialize to the JSON text stored in ``manifest.json``, with its own CRC32.
@@ -175,6 +203,8 @@ class Manifest:
                 f"checkpoint manifest {source} is damaged ({exc}); the checkpoint will not "
                 "be loaded"
             ) from exc
+        except MemoryError as exc:  # the node's, not the manifest's
+            raise read_error(exc, f"checkpoint manifest {source}") from exc
         except Exception as exc:  # any damage is "skip it", never a crash
             raise CheckpointCorruptError(
                 f"checkpoint manifest {source} is unreadable ({type(exc).__name__}: {exc}); "
@@ -187,7 +217,9 @@ class Manifest:
         if not isinstance(raw, dict):
             raise CheckpointCorruptError("not a JSON object")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION and not (version == 1 and "manifest_crc32" not in raw):
+        if version not in (2, FORMAT_VERSION) and not (
+            version == 1 and "manifest_crc32" not in raw
+        ):
             raise CheckpointCorruptError(f"format_version={version!r} is not supported")
         if "manifest_crc32" in raw or version != 1:
             stored = raw.pop("manifest_crc32", None)
@@ -195,6 +227,8 @@ class Manifest:
                 raise CheckpointCorruptError("its own CRC32 does not match (changed bytes)")
         expected = {"format_version", "step", "kind", "world_size", "created", "total_bytes"}
         expected |= {"files", "metadata"}
+        if version >= 3:
+            expected.add("run")
         if set(raw) != expected:
             raise CheckpointCorruptError(f"fields {sorted(raw)} != {sorted(expected)}")
         files_raw = raw["files"]
@@ -219,6 +253,11 @@ class Manifest:
             raise CheckpointCorruptError(f"bad created={created!r}")
         if not isinstance(raw["metadata"], dict):
             raise CheckpointCorruptError("metadata is not an object")
+        run = raw.get("run")
+        if run is not None and not (
+            type(run) is str and 0 < len(run) <= _MAX_RUN_CHARS and run.isprintable()
+        ):
+            raise CheckpointCorruptError(f"bad run={run!r:.80}")
         manifest = cls(
             step=step,
             kind=raw["kind"],
@@ -227,6 +266,7 @@ class Manifest:
             created=float(created),
             metadata=raw["metadata"],
             format_version=version,
+            run=run,
         )
         if raw["total_bytes"] != manifest.total_bytes:
             raise CheckpointCorruptError("total_bytes does not match the file records")
@@ -244,6 +284,79 @@ def _is_int(value: object) -> bool:
 def _body_crc(body: Mapping[str, Any]) -> int:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return zlib.crc32(canonical.encode())
+
+
+def checked_step(step: object) -> int:
+    """Return ``step`` as a plain ``int`` >= 0, or refuse it before anything is written.
+
+    Integral values are accepted: ``int``, numpy integers, 0-d integer tensors (anything
+    with ``__index__`` and no dimensions). ``bool`` and floats (even ``5.0``) are refused:
+    they would name a directory (``step_True``, ``step_5.0``) that no listing recognises.
+
+    Raises:
+        CheckpointError: naming the value and the fix.
+    """
+    kind = type(step).__name__
+    if isinstance(step, bool) or kind in ("bool_", "bool"):
+        raise CheckpointError(f"step={step!r} is a bool, not an integer; pass the step number")
+    if getattr(step, "ndim", 0) != 0:
+        raise CheckpointError(
+            f"step={step!r} has {getattr(step, 'ndim', '?')} dimensions; pass one integer "
+            "(int(step) or step.item())"
+        )
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise CheckpointError(
+            f"step={step!r} ({kind}) is not an integer; pass an int (e.g. int(step) if it "
+            "is integral)"
+        ) from None
+    if value < 0:
+        raise CheckpointError(f"step={value} must be >= 0")
+    return value
+
+
+def checked_metadata(metadata: object) -> dict[str, Any]:
+    """Return ``metadata`` as a JSON-able dict, or refuse it before anything is written.
+
+    Allowed: dicts with ``str`` keys, lists/tuples, ``str``, ``int``, finite ``float``,
+    ``bool``, ``None``. Tensors and numpy scalars are refused (call ``.item()``).
+
+    Raises:
+        CheckpointError: naming the offending key and value.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"metadata={metadata!r} must be a dict of JSON values")
+
+    def check(value: object, where: str) -> None:
+        if value is None or isinstance(value, (str, bool, int)):
+            return
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise CheckpointError(f"metadata{where}={value!r} is not finite (JSON has no NaN)")
+            return
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                check(item, f"{where}[{i}]")
+            return
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise CheckpointError(
+                        f"metadata{where} has the key {key!r} ({type(key).__name__}); "
+                        "JSON keys are strings: use str keys"
+                    )
+                check(item, f"{where}[{key!r}]")
+            return
+        raise CheckpointError(
+            f"metadata{where}={value!r} ({type(value).__name__}) is not a JSON value; "
+            "store plain numbers and strings (e.g. tensor.item(), int(x))"
+        )
+
+    check(metadata, "")
+    return dict(metadata)
 
 
 def fsync_dir(path: Path) -> None:
@@ -309,25 +422,46 @@ def sync_checkpoint(directory: Path, manifest: Manifest) -> None:
             raise error
 
 
-def read_manifest(directory: Path) -> Manifest:
+def _open_by_path(path: Path) -> int:
+    """Open ``path`` for reading without following a link at it (no ownership check)."""
+    try:
+        return os.open(path, _FILE_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
+            raise UntrustedCheckpointError(
+                f"checkpoint path {path} is not a regular file (a symbolic link or a "
+                f"special file: {exc.strerror}); refusing to read it"
+            ) from exc
+        raise
+
+
+def read_manifest(directory: Path, *, at: CheckedDir | None = None) -> Manifest:
     """Read and check the manifest of a committed checkpoint directory.
 
     The manifest must be a regular file (not a link, FIFO or directory) of sane size, and
     its step must be the one in the directory's name.
 
+    Args:
+        directory: the checkpoint directory (its name gives the step; for messages).
+        at: the same directory, held and checked: the manifest is opened relative to it
+            and must be ours and not writable by others. ``None``: opened by path.
+
     Raises:
         CheckpointCorruptError: no manifest, or it is damaged in any way.
+        UntrustedCheckpointError: it is a link or special file (or, with ``at``, not ours
+            or writable by others).
+        CheckpointReadError: an I/O or memory error while reading it (not damage).
     """
     path = directory / MANIFEST_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = at.open_file(MANIFEST_NAME) if at is not None else _open_by_path(path)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(
             f"checkpoint {directory} has no {MANIFEST_NAME}; it was not committed by "
             "slurm_elastic (or was damaged) and will not be loaded"
         ) from exc
     except OSError as exc:
-        raise CheckpointCorruptError(f"cannot open manifest {path}: {exc}") from exc
+        raise read_error(exc, f"manifest {path}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST_BYTES:
@@ -335,9 +469,9 @@ def read_manifest(directory: Path) -> Manifest:
                 f"manifest {path} is not a regular file of at most {_MAX_MANIFEST_BYTES} bytes"
             )
         with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(_MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointCorruptError(f"cannot read manifest {path}: {exc}") from exc
+            data = fh.read(st.st_size + 1)  # its size, not the limit: no 64 MiB buffer
+    except (OSError, MemoryError) as exc:
+        raise read_error(exc, f"manifest {path}") from exc
     finally:
         os.close(fd)
     try:
@@ -369,21 +503,31 @@ def crc32_mapping(mm: mmap.mmap, size: int, chunk: int = _CHUNK) -> int:
     return crc
 
 
-def crc32_file(path: Path) -> tuple[int, int]:
-    """Return ``(size, crc32)`` of a file, read once, through a read-only mapping
-    (:func:`crc32_mapping`: no copy into a user buffer). The pages stay in the page
-    cache, where ``torch.load`` finds them. A symbolic link is refused.
+def crc32_fd(fd: int) -> tuple[int, int]:
+    """Return ``(size, crc32)`` of the open file ``fd``, read through a read-only mapping
+    (:func:`crc32_mapping`: no copy into a user buffer). The pages stay in the page cache,
+    where a following read finds them. Fault point ``"read_file"`` first (tests only).
+
+    Raises:
+        OSError: the mapping failed (``ENOMEM``, ``EIO`` ...).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    _faults.point("read_file")
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0, 0
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+        crc = crc32_mapping(mm, size)
+    return size, crc
+
+
+def crc32_file(path: Path) -> tuple[int, int]:
+    """Return ``(size, crc32)`` of a file, read once (:func:`crc32_fd`). A symbolic link
+    is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0, 0
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-            crc = crc32_mapping(mm, size)
+        return crc32_fd(fd)
     finally:
         os.close(fd)
-    return size, crc
 
 
 def verify_checkpoint(
@@ -391,7 +535,7 @@ def verify_checkpoint(
     *,
     deep: bool = True,
     on_progress: Callable[[str], None] | None = None,
-    check: Callable[[Path], None] | None = None,
+    at: CheckedDir | None = None,
 ) -> Manifest:
     """Check that a committed checkpoint is complete and intact.
 
@@ -399,33 +543,40 @@ def verify_checkpoint(
         directory: a ``step_<N>`` directory.
         deep: also recompute every file's CRC32 (reads all data); otherwise check sizes only.
         on_progress: called with each file name before it is checked (for tests/logging).
-        check: called with the manifest's and each data file's path before it is read
-            (the store checks ownership and mode there).
+        at: ``directory`` held and checked (:class:`~slurm_elastic.checkpoint.trust.CheckedDir`):
+            the manifest and every data file are opened relative to it, without following
+            links, and must be ours and not writable by others (what is checked is what
+            is read). ``None``: opened by path, no ownership check.
 
     Returns:
         The manifest.
 
     Raises:
         CheckpointCorruptError: naming the directory, the file and what is wrong.
+        UntrustedCheckpointError: a file is a link or special file (with ``at``: or not
+            ours, or writable by others).
+        CheckpointReadError: an I/O or memory error (not damage: nothing is wrong with it).
     """
-    if check is not None:
-        check(directory / MANIFEST_NAME)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, at=at)
     for rec in manifest.files:
         if on_progress is not None:
             on_progress(rec.name)
-        path = directory / rec.name
-        if check is not None:
-            check(path)
+        what = f"checkpoint {directory}: data file {rec.name}"
+        try:
+            fd = at.open_file(rec.name) if at is not None else _open_by_path(directory / rec.name)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{what} is missing ({exc})") from exc
+        except OSError as exc:
+            raise read_error(exc, what) from exc
         try:
             if deep:
-                size, crc = crc32_file(path)
+                size, crc = crc32_fd(fd)
             else:
-                size, crc = path.stat().st_size, rec.crc32
-        except OSError as exc:
-            raise CheckpointCorruptError(
-                f"checkpoint {directory}: data file {rec.name} is unreadable ({exc})"
-            ) from exc
+                size, crc = os.fstat(fd).st_size, rec.crc32
+        except (OSError, MemoryError) as exc:
+            raise read_error(exc, what) from exc
+        finally:
+            os.close(fd)
         if size != rec.bytes:
             raise CheckpointCorruptError(
                 f"checkpoint {directory}: {rec.name} has {size} bytes, manifest says "

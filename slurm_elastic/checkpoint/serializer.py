@@ -11,6 +11,11 @@ Two formats, told apart by the file name the manifest records:
   object); read for those and for checkpoints written by earlier versions. Verified
   against its manifest record before ``torch.load`` sees any of it.
 
+Placement: the container is parsed into CPU tensors, then moved where ``map_location``
+says. A device this node lacks (``"cuda:0"`` without CUDA) or out of device memory is the
+node's problem, never damage: :class:`~slurm_elastic.checkpoint.trust.CheckpointReadError`
+(:func:`check_device` probes the device before anything is read).
+
 Directory handling (names, commit, listing) belongs to :mod:`slurm_elastic.checkpoint.store`.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,12 +34,26 @@ from typing import Any
 import torch
 
 from slurm_elastic.checkpoint import _faults
-from slurm_elastic.checkpoint.container import Unsupported, encode, read_container, write_container
-from slurm_elastic.checkpoint.manifest import FileRecord, crc32, crc32_file
+from slurm_elastic.checkpoint.container import (
+    Unsupported,
+    decode_tree,
+    encode,
+    read_container,
+    write_container,
+)
+from slurm_elastic.checkpoint.manifest import FileRecord, crc32, crc32_fd
 from slurm_elastic.checkpoint.staging import state_nbytes
+from slurm_elastic.checkpoint.trust import CheckedDir, CheckpointReadError, check_fd, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
-__all__ = ["STATE_FILE", "TORCH_FILE", "ChecksumWriter", "read_state", "write_state"]
+__all__ = [
+    "STATE_FILE",
+    "TORCH_FILE",
+    "ChecksumWriter",
+    "check_device",
+    "read_state",
+    "write_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +62,7 @@ TORCH_FILE = "state.pt"
 
 
 _OVERLAP_BYTES = 1 << 20
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class ChecksumWriter:
@@ -217,51 +238,160 @@ def read_state(
     *,
     weights_only: bool,
     mmap: bool | None,
+    at: CheckedDir | None = None,
 ) -> Any:
     """Load the data file ``record`` of a checkpoint whose trust and sizes the store checked.
 
     Every byte is checked against the record's CRC32 before anything is parsed: the
     container verifies while it reads (one pass); a ``torch.save`` file is CRCed first,
-    then ``torch.load`` reads it from the page cache. ``mmap=None`` maps a ``state.bin``
-    (copy-on-write; less memory and no page faults on fresh memory) unless the directory
-    is on NFS, and reads a ``state.pt`` into memory.
+    then ``torch.load`` reads the very file that was CRCed (``/proc/self/fd/<fd>`` of it).
+    ``mmap=None`` maps a ``state.bin`` (copy-on-write; less memory and no page faults on
+    fresh memory) unless the directory is on NFS, and reads a ``state.pt`` into memory.
+
+    Args:
+        directory: the checkpoint directory.
+        record: the data file's manifest record.
+        map_location: as for ``torch.load``.
+        weights_only: passed to ``torch.load`` (``state.pt`` only).
+        mmap: see above.
+        at: ``directory`` held and checked by the store: the file is opened relative to
+            it (no links; ours and private), so what was verified is what is read.
 
     Raises:
         CheckpointError: a ``torch.save`` file needs ``weights_only=False`` (never skipped
             silently: that would restart training from scratch).
-        CheckpointCorruptError: a CRC32/size mismatch, or it verified but cannot be read.
+        CheckpointCorruptError: a CRC32/size mismatch or a missing file, or a container
+            that verified but cannot be parsed.
+        CheckpointReadError: an I/O or memory error, a device that does not exist here, or
+            a ``torch.save`` file that verified but ``torch.load`` cannot read (it is
+            intact and stays).
     """
     path = directory / record.name
     if record.name == STATE_FILE:
-        return read_container(
+        location = _location(map_location)  # a usage error: before anything is read
+        parsed = read_container(
             path,
             expected_size=record.bytes,
             expected_crc=record.crc32,
-            map_location=map_location,
             use_mmap=map_by_default(directory) if mmap is None else mmap,
+            at=at,
         )
+        targets = [location(saved) for saved in parsed.devices]
+        if all(target == "cpu" for target in targets):
+            return parsed.state
+        moved = [_to_device(t, d, path) for t, d in zip(parsed.tensors, targets, strict=True)]
+        return decode_tree(parsed.tree, moved)
     if record.name != TORCH_FILE:
         raise CheckpointCorruptError(f"checkpoint {directory} has no state file ({record.name})")
     try:
-        size, crc = crc32_file(path)
+        fd = at.open_file(record.name) if at is not None else os.open(path, _FILE_FLAGS)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing ({exc})") from exc
+    except CheckpointError:
+        raise
     except OSError as exc:
-        raise CheckpointCorruptError(f"checkpoint file {path} is unreadable ({exc})") from exc
-    if (size, crc) != (record.bytes, record.crc32):
-        raise CheckpointCorruptError(
-            f"checkpoint file {path} fails its size/CRC32 check ({size} bytes, {crc:#010x}; "
-            f"manifest: {record.bytes} bytes, {record.crc32:#010x})"
-        )
+        raise read_error(exc, f"checkpoint file {path}") from exc
     try:
-        # verified just above (and the store checked owner and mode)
+        if at is None:
+            check_fd(fd, path, directory=False)
+        try:
+            size, crc = crc32_fd(fd)
+        except (OSError, MemoryError) as exc:
+            raise read_error(exc, f"checkpoint file {path}") from exc
+        if (size, crc) != (record.bytes, record.crc32):
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} fails its size/CRC32 check ({size} bytes, "
+                f"{crc:#010x}; manifest: {record.bytes} bytes, {record.crc32:#010x})"
+            )
+        return _torch_load(f"/proc/self/fd/{fd}", path, map_location, weights_only, mmap)
+    finally:
+        os.close(fd)
+
+
+def _torch_load(
+    source: str, path: Path, map_location: Any, weights_only: bool, mmap: bool | None
+) -> Any:
+    """``torch.load`` of a verified file; its failures are never "damage" (the bytes are
+    exactly those written)."""
+    try:
         options = {"map_location": map_location, "weights_only": weights_only, "mmap": bool(mmap)}
-        return torch.load(path, **options)  # verified
+        return torch.load(source, **options)  # verified: size and CRC32 just matched
+    except (OSError, MemoryError) as exc:
+        raise read_error(exc, f"checkpoint file {path}") from exc
     except Exception as exc:
         if weights_only and "weights_only" in str(exc):
             raise CheckpointError(
-                f"checkpoint {directory} holds objects outside torch's weights-only "
+                f"checkpoint {path.parent} holds objects outside torch's weights-only "
                 "allowlist; pass weights_only=False to CheckpointManager if you trust "
                 f"this directory ({exc})"
             ) from exc
-        raise CheckpointCorruptError(
-            f"checkpoint {directory} verified but torch.load failed: {exc}"
+        raise CheckpointReadError(
+            f"checkpoint file {path} is intact (size and CRC32 match its manifest) but "
+            f"torch.load cannot read it here (map_location={map_location!r}; "
+            f"{type(exc).__name__}: {exc}). No checkpoint was changed: load it where the "
+            "device exists and with the torch version and classes it was saved with"
         ) from exc
+
+
+def _to_device(t: torch.Tensor, device: str, path: Path) -> torch.Tensor:
+    """Move one verified tensor; a failure is the node's (no such device, no memory)."""
+    if device == "cpu":
+        return t
+    try:
+        return t.to(device)
+    except Exception as exc:  # torch raises RuntimeError, AssertionError, OutOfMemoryError
+        raise CheckpointReadError(
+            f"checkpoint file {path} is intact (size and CRC32 match its manifest), but its "
+            f"tensors cannot be moved to device {device!r} on {socket.gethostname()} "
+            f"({type(exc).__name__}: {exc}). No checkpoint was changed: load it where that "
+            "device exists and has room, or pass map_location='cpu'"
+        ) from exc
+
+
+def check_device(map_location: Any) -> None:
+    """Check that the device(s) ``map_location`` names exist on this node, before reading.
+
+    Plain devices (``"cuda:0"``, ``torch.device``) and the targets of a dict are probed
+    (an empty tensor is made there); ``None`` and callables are not.
+
+    Raises:
+        CheckpointReadError: naming the device, this host and the fix.
+    """
+    if isinstance(map_location, (str, torch.device)):
+        targets = [str(map_location)]
+    elif isinstance(map_location, dict):
+        targets = sorted({str(v) for v in map_location.values()})
+    else:
+        return
+    for target in targets:
+        if target == "cpu":
+            continue
+        try:
+            torch.empty(0, device=target)
+        except Exception as exc:  # RuntimeError, AssertionError (not compiled with CUDA)
+            raise CheckpointReadError(
+                f"map_location={target!r} names a device this node "
+                f"({socket.gethostname()}) cannot use ({type(exc).__name__}: {exc}). No "
+                "checkpoint was read or changed: load where that device exists, or pass "
+                "map_location='cpu'"
+            ) from exc
+
+
+def _location(map_location: Any) -> Callable[[str], str]:
+    """Where a tensor saved from a device goes (``state.bin``; as ``torch.load`` maps).
+
+    Raises:
+        CheckpointError: a ``map_location`` this format does not support (a callable).
+    """
+    if map_location is None:
+        return lambda saved: saved  # where it was saved from, as torch.load does
+    if isinstance(map_location, (str, torch.device)):
+        target = str(map_location)
+        return lambda saved: target
+    if isinstance(map_location, dict):
+        table = {str(k): str(v) for k, v in map_location.items()}
+        return lambda saved: table.get(saved, saved)
+    raise CheckpointError(
+        f"map_location={map_location!r} is not supported for this checkpoint format; "
+        "pass a device (e.g. 'cpu', 'cuda:0') or a dict of device names"
+    )

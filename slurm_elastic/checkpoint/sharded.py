@@ -7,6 +7,13 @@ with the same directory rename as replicated checkpoints. DCP's own format is ke
 load reshards to whatever world size and placement the live ``state_dict`` has.
 
 Both calls are collective: every rank must call them, with a process group initialized.
+
+Loading reads what was verified: every rank opens the checkpoint directory and
+``step_<N>`` through held descriptors (:class:`~slurm_elastic.checkpoint.trust.CheckedDir`:
+no links, ours, not writable by others, this run's), checks that it holds the manifest
+rank 0 verified, and DCP is pointed at ``/proc/self/fd/<fd>`` of that held directory: a
+neighbour renaming directories meanwhile cannot make DCP unpickle their ``.metadata``.
+A failure on any rank is raised on every rank before DCP starts.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import errno
 import logging
 import os
 import time
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,10 +34,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from slurm_elastic import events
 from slurm_elastic.checkpoint import exchange
-from slurm_elastic.checkpoint.manager import CheckpointManager
+from slurm_elastic.checkpoint.manager import (
+    CheckpointManager,
+    describe_os_error,
+    failure_message,
+    failure_of,
+)
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
-from slurm_elastic.checkpoint.store import checked_metadata, checked_step, describe_os_error
-from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
+from slurm_elastic.checkpoint.store import checked_metadata, checked_step
+from slurm_elastic.checkpoint.trust import CheckedDir, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -42,25 +55,9 @@ def _broadcast(value: Any) -> Any:
     return exchange.broadcast(value, 0)
 
 
-# A failure on rank 0 reaches the other ranks as (class name, message), never as a pickled
-# exception: only these classes are re-created.
-_FAILURES: dict[str, type[CheckpointError]] = {
-    cls.__name__: cls for cls in (CheckpointError, CheckpointCorruptError, UntrustedCheckpointError)
-}
-
-
-def _failure_message(exc: CheckpointError | None) -> list[str] | None:
-    if exc is None:
-        return None
-    name = type(exc).__name__ if type(exc).__name__ in _FAILURES else "CheckpointError"
-    return [name, str(exc)]
-
-
-def _failure_of(message: Any) -> CheckpointError | None:
-    if message is None:
-        return None
-    name, text = message
-    return _FAILURES.get(str(name), CheckpointError)(str(text))
+def _identity(manifest: Manifest) -> int:
+    """A fingerprint of one committed checkpoint (its manifest's exact text)."""
+    return zlib.crc32(manifest.to_json().encode())
 
 
 def _require_pg() -> tuple[int, int]:
@@ -173,7 +170,7 @@ def save_sharded(
             for p in paths:
                 os.chmod(p, 0o600)  # DCP creates files with the umask's mode
             files = tuple(FileRecord(p.name, *crc32_file(p)) for p in paths)
-            manifest = Manifest(step, "sharded", world, files, metadata=meta)
+            manifest = Manifest(step, "sharded", world, files, metadata=meta, run=store.run_id)
             final = store.commit(tmp, manifest)
         except OSError as exc:
             error = describe_os_error(exc, tmp, "commit sharded checkpoint")
@@ -223,42 +220,99 @@ def load_sharded(
         CheckpointCorruptError: the requested ``step`` is damaged (all ranks raise).
         UntrustedCheckpointError: a checkpoint path is not owned by this user or is
             writable by others (all ranks raise; nothing was unpickled).
+        ForeignRunError: the directory holds another run's checkpoints (all ranks raise).
+        CheckpointReadError: an I/O or memory error (all ranks raise; nothing skipped).
+        CheckpointError: the checkpoint changed after rank 0 verified it, or DCP could not
+            load it into ``state_dict`` (all ranks raise).
     """
     rank, _ = _require_pg()
     store = manager.store
     chosen: int | None = None
+    identity: int | None = None
     failure: CheckpointError | None = None
-    if rank == 0:
+    held: CheckedDir | None = None
+    try:
+        if rank == 0:
+            try:
+                chosen, identity, held = _choose(manager, step)
+            except CheckpointError as exc:
+                failure = exc
+        chosen, identity, message = _broadcast([chosen, identity, failure_message(failure)])
+        failure = failure if rank == 0 else failure_of(message)
+        if failure is not None:
+            raise failure
+        if chosen is not None and type(chosen) is not int:
+            raise CheckpointError(f"rank 0 chose checkpoint {chosen!r:.40}, not a step number")
+        if chosen is None:
+            return None
+        path = store.step_path(chosen)
+        manifest: Manifest | None = None
+        error: CheckpointError | None = None
         try:
-            store.recover()
-            store.warn_incomplete()
-            infos = [i for i in store.list_checkpoints() if step is None or i.step == step]
-            for info in reversed(infos):
-                try:
-                    # every file (DCP's pickled .metadata included): owner, mode, CRC32,
-                    # before torch reads any of it
-                    manifest = store.verify(info.step, deep=True)
-                except CheckpointCorruptError as exc:
-                    if step is not None:
-                        raise
-                    store.report_damaged(info, exc)
-                    continue
-                if manifest.kind == "sharded":
-                    chosen = info.step
-                    break
+            if held is None:  # every rank holds the directory it checks and DCP reads
+                held = store.open_checkpoint(chosen)
+            manifest = store.verify(chosen, deep=False, at=held)  # owner, mode, run, sizes
+            if _identity(manifest) != identity:
+                raise CheckpointError(
+                    f"checkpoint {path} changed after rank 0 verified it (another "
+                    "manifest is there now: the directory was replaced or renamed); "
+                    "nothing was loaded: load again, and check who else can rename "
+                    f"entries of {store.directory.parent}"
+                )
         except CheckpointError as exc:
-            failure = exc
-    chosen, message = _broadcast([chosen, _failure_message(failure)])
-    failure = failure if rank == 0 else _failure_of(message)
-    if failure is not None:
-        raise failure
-    if chosen is not None and type(chosen) is not int:
-        raise CheckpointError(f"rank 0 chose checkpoint {chosen!r:.40}, not a step number")
-    if chosen is None:
-        return None
-    manifest = store.verify(chosen, deep=False)  # every rank: owner and mode, sizes
-    path = store.step_path(chosen)
-    dcp.load(state_dict, checkpoint_id=path)
+            error = exc
+        # every rank's verdict before any rank starts DCP (a lone failure would hang it)
+        failures = exchange.all_gather(failure_message(error))
+        first = next((failure_of(f) for f in failures if f is not None), None)
+        if first is not None:
+            raise first
+        assert manifest is not None and held is not None
+        try:
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(held.proc_path))
+        except (Exception, CheckpointException) as exc:
+            cause = _os_error_in(exc)
+            if cause is not None:
+                raise read_error(cause, f"sharded checkpoint {path}") from exc
+            raise CheckpointError(
+                f"cannot load sharded checkpoint {path} into this state_dict: {_summary(exc)}"
+            ) from exc
+    finally:
+        if held is not None:
+            held.close()
     log.info("sharded checkpoint step %d loaded from %s", manifest.step, path)
     events.emit(events.CheckpointLoaded(step=manifest.step, path=str(path), format="sharded"))
     return manifest
+
+
+def _choose(
+    manager: CheckpointManager, step: int | None
+) -> tuple[int | None, int | None, CheckedDir | None]:
+    """Rank 0: the newest verified sharded checkpoint (or ``step``), its fingerprint and
+    its held directory (kept for the load: what was verified is what DCP reads)."""
+    store = manager.store
+    store.recover()
+    store.warn_incomplete()
+    infos = store.list_checkpoints()
+    store.check_directory_run(infos)
+    for info in reversed([i for i in infos if step is None or i.step == step]):
+        held: CheckedDir | None = None
+        try:
+            held = store.open_checkpoint(info.step)  # a link raises: never read through
+            # every file (DCP's pickled .metadata included): owner, mode, CRC32, run,
+            # before torch reads any of it
+            manifest = store.verify(info.step, deep=True, at=held)
+        except CheckpointCorruptError as exc:
+            if held is not None:
+                held.close()
+            if step is not None:
+                raise
+            store.report_damaged(info, exc)
+            continue
+        except BaseException:
+            if held is not None:
+                held.close()
+            raise
+        if manifest.kind == "sharded":
+            return info.step, _identity(manifest), held
+        held.close()
+    return None, None, None

@@ -24,6 +24,18 @@ Crash safety beyond the commit rename:
   (run before each save and load) renames the complete old copy back.
 * Retention first renames ``step_<N>`` to a ``.trash-`` name, then deletes it: a listing
   never shows a partly deleted checkpoint.
+
+Hostile neighbours (see :mod:`slurm_elastic.checkpoint.trust`):
+
+* Every check and read goes through held descriptors; removal too, without following a
+  link: a ``step_<N>`` (or a leftover) that is a symbolic link is unlinked, its target is
+  never touched, and no ``.trash-`` name stays behind.
+* A run is bound to its checkpoints: each manifest names its run, and a load, save or
+  retention in a directory holding another run's checkpoints raises
+  :class:`~slurm_elastic.checkpoint.trust.ForeignRunError` naming both runs (so a swapped
+  or mis-pointed directory is never resumed from or pruned). Manifests written before
+  (no run) still load; retention in a run never deletes them (they are not provably this
+  run's): it keeps them with a WARNING.
 """
 
 from __future__ import annotations
@@ -31,23 +43,22 @@ from __future__ import annotations
 import builtins
 import errno
 import logging
-import math
-import operator
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from slurm_elastic import events
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import (
     Manifest,
-    fsync_dir,
+    checked_metadata,
+    checked_step,
     parse_step_dir,
     read_manifest,
     step_dir_name,
@@ -55,7 +66,13 @@ from slurm_elastic.checkpoint.manifest import (
     verify_checkpoint,
     write_manifest,
 )
-from slurm_elastic.checkpoint.trust import check_private, make_private_dir
+from slurm_elastic.checkpoint.trust import (
+    CheckedDir,
+    check_private,
+    check_run,
+    make_private_dir,
+    read_error,
+)
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
@@ -67,7 +84,6 @@ __all__ = [
     "CheckpointStore",
     "checked_metadata",
     "checked_step",
-    "describe_os_error",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,147 +103,32 @@ _LEFTOVER_RE = re.compile(
 class CheckpointInfo:
     """A committed checkpoint directory as listed by :meth:`CheckpointStore.list_checkpoints`.
 
-    ``manifest`` is ``None`` when it cannot be read (the checkpoint is damaged).
+    ``manifest`` is ``None`` when it cannot be read (the checkpoint is damaged or
+    unreadable) or when ``step_<N>`` is a symbolic link (``is_link``: never read through).
     """
 
     step: int
     path: Path
     manifest: Manifest | None
-
-
-def checked_step(step: object) -> int:
-    """Return ``step`` as a plain ``int`` >= 0, or refuse it before anything is written.
-
-    Integral values are accepted: ``int``, numpy integers, 0-d integer tensors (anything
-    with ``__index__`` and no dimensions). ``bool`` and floats (even ``5.0``) are refused:
-    they would name a directory (``step_True``, ``step_5.0``) that no listing recognises.
-
-    Raises:
-        CheckpointError: naming the value and the fix.
-    """
-    kind = type(step).__name__
-    if isinstance(step, bool) or kind in ("bool_", "bool"):
-        raise CheckpointError(f"step={step!r} is a bool, not an integer; pass the step number")
-    if getattr(step, "ndim", 0) != 0:
-        raise CheckpointError(
-            f"step={step!r} has {getattr(step, 'ndim', '?')} dimensions; pass one integer "
-            "(int(step) or step.item())"
-        )
-    try:
-        value = operator.index(step)  # type: ignore[arg-type]
-    except TypeError:
-        raise CheckpointError(
-            f"step={step!r} ({kind}) is not an integer; pass an int (e.g. int(step) if it "
-            "is integral)"
-        ) from None
-    if value < 0:
-        raise CheckpointError(f"step={value} must be >= 0")
-    return value
-
-
-def checked_metadata(metadata: object) -> dict[str, Any]:
-    """Return ``metadata`` as a JSON-able dict, or refuse it before anything is written.
-
-    Allowed: dicts with ``str`` keys, lists/tuples, ``str``, ``int``, finite ``float``,
-    ``bool``, ``None``. Tensors and numpy scalars are refused (call ``.item()``).
-
-    Raises:
-        CheckpointError: naming the offending key and value.
-    """
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"metadata={metadata!r} must be a dict of JSON values")
-
-    def check(value: object, where: str) -> None:
-        if value is None or isinstance(value, (str, bool, int)):
-            return
-        if isinstance(value, float):
-            if not math.isfinite(value):
-                raise CheckpointError(f"metadata{where}={value!r} is not finite (JSON has no NaN)")
-            return
-        if isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                check(item, f"{where}[{i}]")
-            return
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise CheckpointError(
-                        f"metadata{where} has the key {key!r} ({type(key).__name__}); "
-                        "JSON keys are strings: use str keys"
-                    )
-                check(item, f"{where}[{key!r}]")
-            return
-        raise CheckpointError(
-            f"metadata{where}={value!r} ({type(value).__name__}) is not a JSON value; "
-            "store plain numbers and strings (e.g. tensor.item(), int(x))"
-        )
-
-    check(metadata, "")
-    return dict(metadata)
-
-
-def describe_os_error(
-    exc: OSError, path: Path, action: str, *, leftover: Path | None = None
-) -> str:
-    """Return a message naming the path, the cause and the fix for a failed write.
-
-    ``leftover``: a temporary that could not be removed; the message names it.
-    """
-    code = exc.errno
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        hint = (
-            "no space left on the filesystem (or quota exceeded): free space there (for "
-            "example remove old step_* checkpoints you no longer need) or point the "
-            "checkpoint directory at a larger filesystem"
-        )
-        try:
-            vfs = os.statvfs(path.parent)
-            hint += f"; {vfs.f_bavail * vfs.f_frsize} bytes are free"
-        except OSError:
-            pass
-    elif code in (errno.EACCES, errno.EPERM):
-        hint = "permission denied: make the directory writable by this user"
-    elif code == errno.EROFS:
-        hint = "the filesystem is mounted read-only: choose a writable checkpoint directory"
-    else:
-        hint = os.strerror(code) if code else str(exc)
-    message = f"cannot {action} {path}: {hint} ({exc}); previous checkpoints are intact"
-    if leftover is not None:
-        message += f"; the partial temporary {leftover} could not be removed: remove it by hand"
-    return message
-
-
-def _remove_tree(path: Path) -> None:
-    """Remove a directory file by file (crash point ``mid_retention`` after the first)."""
-    for n, entry in enumerate(sorted(os.scandir(path), key=lambda e: e.name)):
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-        else:
-            os.unlink(entry.path)
-        if n == 0:
-            _faults.point("mid_retention")
-    os.rmdir(path)
-
-
-def _newest_mtime(path: Path) -> float:
-    newest = path.lstat().st_mtime
-    for entry in os.scandir(path):
-        try:
-            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
-        except FileNotFoundError:
-            continue
-    return newest
+    is_link: bool = False
 
 
 class CheckpointStore:
     """One run's checkpoint directory: temporary names, commit, listing, retention, verify.
 
+    Every check and read goes through held directory descriptors
+    (:class:`~slurm_elastic.checkpoint.trust.CheckedDir`): the checkpoint directory is
+    opened and checked once per operation, and everything in it is opened relative to it
+    without following links.
+
     Args:
         directory: where ``step_<N>/`` directories live (created ``0700`` by :meth:`begin`).
         keep_last: keep this many newest checkpoints (``None``: keep all).
         keep_every: additionally keep every checkpoint whose step is a multiple of this.
+        run_id: the run these checkpoints belong to (written into each manifest); a load,
+            save or retention in a directory holding another run's checkpoints raises
+            :class:`~slurm_elastic.checkpoint.trust.ForeignRunError`. ``None``: no run
+            (nothing recorded, every run accepted).
 
     Raises:
         CheckpointError: ``keep_last``/``keep_every`` < 1.
@@ -239,6 +140,7 @@ class CheckpointStore:
         *,
         keep_last: int | None = 3,
         keep_every: int | None = None,
+        run_id: str | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last} must be >= 1 (or None to keep all)")
@@ -247,8 +149,10 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.run_id = run_id or None
         self._host = socket.gethostname()
         self._active: set[str] = set()  # our own in-flight temporaries (never stale)
+        self._kept_unproven: set[str] = set()  # retention warned about these already
 
     def step_path(self, step: int) -> Path:
         """The committed directory of ``step`` (it may not exist)."""
@@ -256,6 +160,64 @@ class CheckpointStore:
 
     def _name(self, prefix: str, step: int) -> str:
         return f"{prefix}{step}-{uuid.uuid4().hex[:12]}-{os.getpid()}@{self._host}"
+
+    # ------------------------------------------------------------------ the held directory
+    def open_root(self) -> CheckedDir:
+        """Open and check the checkpoint directory (ours, not writable by others).
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            UntrustedCheckpointError: not ours, or writable by others.
+            CheckpointError: a symbolic link loop.
+            CheckpointReadError: it cannot be opened (I/O, permission, open files).
+        """
+        try:
+            return CheckedDir.open(self.directory, follow=True)
+        except (FileNotFoundError, CheckpointError):
+            raise
+        except OSError as exc:
+            raise read_error(exc, f"checkpoint directory {self.directory}") from exc
+
+    def open_checkpoint(self, step: int) -> CheckedDir:
+        """Open and check committed checkpoint ``step`` through the held checkpoint
+        directory (never through a link); the caller closes it.
+
+        Raises:
+            CheckpointCorruptError: it does not exist.
+            UntrustedCheckpointError: it (or the checkpoint directory) is not ours, is
+                writable by others, or is a link.
+            CheckpointReadError: it cannot be opened (I/O, permission, open files).
+        """
+        path = self.step_path(step)
+        try:
+            with self.open_root() as root:
+                return root.open_dir(path.name)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"checkpoint {path} does not exist") from exc
+        except OSError as exc:
+            raise read_error(exc, f"checkpoint {path}") from exc
+
+    # ------------------------------------------------------------------ run binding
+    def check_run(self, manifest: Manifest, path: Path, action: str = "load") -> None:
+        """Refuse ``manifest`` if it names another run than this store's (a manifest
+        naming no run, and a store without a run id, accept everything).
+
+        Raises:
+            ForeignRunError: naming both runs, the path and the fix.
+        """
+        check_run(manifest.run, self.run_id, path, self.directory, action)
+
+    def check_directory_run(
+        self, infos: builtins.list[CheckpointInfo], action: str = "load"
+    ) -> None:
+        """Refuse the whole directory if any listed checkpoint names another run.
+
+        Raises:
+            ForeignRunError: naming both runs.
+        """
+        for info in infos:
+            if info.manifest is not None:
+                self.check_run(info.manifest, info.path, action)
 
     # ------------------------------------------------------------------ leftovers
     def _entries(self) -> builtins.list[str]:
@@ -268,7 +230,7 @@ class CheckpointStore:
                 check_private(self.directory, directory=True, follow=True)  # clear message
             raise
 
-    def _writer_dead(self, name: str) -> bool:
+    def _writer_dead(self, name: str, root: CheckedDir | None = None) -> bool:
         match = _LEFTOVER_RE.match(name)
         if match is None:
             return False
@@ -284,8 +246,11 @@ class CheckpointStore:
                 return False
             return False
         try:  # another host (or an older name without a writer): judge by activity
-            return time.time() - _newest_mtime(self.directory / name) > STALE_AFTER_S
-        except OSError:
+            if root is None:
+                with self.open_root() as held:
+                    return time.time() - held.newest_mtime(name) > STALE_AFTER_S
+            return time.time() - root.newest_mtime(name) > STALE_AFTER_S
+        except (OSError, CheckpointError):
             return False
 
     def leftovers(self) -> builtins.list[Path]:
@@ -308,26 +273,37 @@ class CheckpointStore:
         Returns:
             The steps recovered.
         """
+        try:
+            root = self.open_root()
+        except FileNotFoundError:
+            return []
+        with root:
+            return self._recover(root)
+
+    def _recover(self, root: CheckedDir) -> builtins.list[int]:
         recovered = []
-        for path in self.leftovers():
-            match = _LEFTOVER_RE.match(path.name)
+        for name in sorted(root.names()):
+            match = _LEFTOVER_RE.match(name)
             if match is None or match.group("kind") != "replaced":
                 continue
             step = int(match.group("step"))
-            final = self.step_path(step)
-            if final.exists() or not self._writer_dead(path.name):
+            final = step_dir_name(step)
+            path = self.directory / name
+            if final in root.names() or not self._writer_dead(name, root):
                 continue
             try:
-                read_manifest(path)  # a committed copy: it has its manifest
-                os.rename(path, final)
-                fsync_dir(self.directory)
-            except (OSError, CheckpointCorruptError) as exc:
+                with root.open_dir(name) as aside:  # never through a link
+                    manifest = read_manifest(path, at=aside)  # a committed copy
+                self.check_run(manifest, path, "recover")
+                root.rename(name, final)
+                root.sync()
+            except (OSError, CheckpointError) as exc:
                 log.warning("cannot recover checkpoint step %d from %s: %s", step, path, exc)
                 continue
             log.warning(
                 "recovered checkpoint %s from %s (a re-save of step %d died between its "
                 "two renames)",
-                final,
+                self.directory / final,
                 path,
                 step,
             )
@@ -337,18 +313,29 @@ class CheckpointStore:
     def remove_stale(self) -> builtins.list[Path]:
         """Remove leftovers of dead writers (after :meth:`recover`); return those that stay.
 
-        Run before writing, so that a save that died never keeps a full disk full.
+        Run before writing, so that a save that died never keeps a full disk full. A
+        leftover that is a link is unlinked (its target is never touched).
         """
-        self.recover()
+        try:
+            root = self.open_root()
+        except FileNotFoundError:
+            return []
+        with root:
+            self._recover(root)
+            return self._remove_stale(root)
+
+    def _remove_stale(self, root: CheckedDir) -> builtins.list[Path]:
         remaining = []
-        for path in self.leftovers():
-            if not self._writer_dead(path.name):
+        prefixes = (TMP_PREFIX, REPLACED_PREFIX, TRASH_PREFIX)
+        for name in sorted(n for n in root.names() if n.startswith(prefixes)):
+            path = self.directory / name
+            if not self._writer_dead(name, root):
                 remaining.append(path)
                 continue
-            if not path.name.startswith(TRASH_PREFIX):
+            if not name.startswith(TRASH_PREFIX):
                 log.warning("removing %s, left by an interrupted checkpoint save", path)
             try:
-                shutil.rmtree(path)
+                root.remove(name)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -360,19 +347,24 @@ class CheckpointStore:
     def begin(self, step: int) -> Path:
         """Create and return a fresh private temporary directory for a save of ``step``.
 
-        First creates the checkpoint directory (``0700``) if needed, recovers interrupted
-        re-saves and removes leftovers of dead writers.
+        First creates the checkpoint directory (``0700``, each missing parent too) if
+        needed, refuses a directory holding another run's checkpoints, recovers
+        interrupted re-saves and removes leftovers of dead writers.
 
         Raises:
             UntrustedCheckpointError: the directory is not ours or writable by others.
+            ForeignRunError: the directory holds another run's checkpoints.
             OSError: the directory cannot be created (the caller words the error).
         """
         make_private_dir(self.directory)
-        self.remove_stale()
-        tmp = self.directory / self._name(TMP_PREFIX, step)
-        os.mkdir(tmp, 0o700)
-        self._active.add(tmp.name)
-        return tmp
+        with self.open_root() as root:
+            self.check_directory_run(self._list(root), "save")
+            self._recover(root)
+            self._remove_stale(root)
+            name = self._name(TMP_PREFIX, step)
+            root.mkdir(name)  # 0700 exactly, whatever the umask
+        self._active.add(name)
+        return self.directory / name
 
     def commit(self, tmp: Path, manifest: Manifest) -> Path:
         """Write ``manifest`` into ``tmp``, make ``tmp`` durable, rename it to ``step_<N>``.
@@ -381,9 +373,12 @@ class CheckpointStore:
         together (concurrently) before the rename.
 
         Saving a step that exists moves the old copy aside first; :meth:`recover` restores
-        it if the writer dies before the new copy is renamed in.
+        it if the writer dies before the new copy is renamed in. Replacing a checkpoint
+        that verifies with a different one is said: a WARNING naming both and a
+        ``CheckpointRemoved`` event for the old copy (an identical one is replaced quietly).
 
         Raises:
+            ForeignRunError: ``step_<N>`` is another run's.
             OSError: the manifest or the rename failed (``tmp`` is left for :meth:`discard`).
         """
         _faults.point("before_manifest")
@@ -391,20 +386,58 @@ class CheckpointStore:
         sync_checkpoint(tmp, manifest)  # data files, manifest and tmp: all durable first
         _faults.point("before_commit")
         final = self.step_path(manifest.step)
-        if final.exists():
-            aside = self.directory / self._name(REPLACED_PREFIX, manifest.step)
-            log.warning("checkpoint %s exists; replacing it (old copy: %s)", final, aside)
-            os.rename(final, aside)
-            _faults.point("between_renames")
-            os.rename(tmp, final)
-            fsync_dir(self.directory)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-            fsync_dir(self.directory)
+        with self.open_root() as root:
+            try:
+                root.lstat(final.name)
+            except FileNotFoundError:
+                root.rename(tmp.name, final.name)
+                root.sync()
+            else:
+                aside = self._name(REPLACED_PREFIX, manifest.step)
+                self._say_replaced(root, final, manifest, self.directory / aside)
+                root.rename(final.name, aside)
+                _faults.point("between_renames")
+                root.rename(tmp.name, final.name)
+                root.sync()
+                try:
+                    root.remove(aside)
+                except OSError as exc:
+                    log.warning("cannot remove the old copy %s: %s", self.directory / aside, exc)
         self._active.discard(tmp.name)
         _faults.point("after_commit")
         return final
+
+    def _say_replaced(self, root: CheckedDir, final: Path, new: Manifest, aside: Path) -> None:
+        """Log (and emit) what a re-save of ``final`` replaces; refuse another run's."""
+        try:
+            with root.open_dir(final.name) as held:
+                old = verify_checkpoint(final, deep=False, at=held)
+        except CheckpointCorruptError as exc:
+            log.warning("replacing damaged checkpoint %s (%s); old copy: %s", final, exc, aside)
+            return
+        except (OSError, CheckpointError) as exc:
+            log.warning(
+                "replacing checkpoint %s, which could not be checked (%s); old copy: %s",
+                final,
+                exc,
+                aside,
+            )
+            return
+        self.check_run(old, final, "replace a checkpoint")
+        if old.files == new.files:
+            log.info("checkpoint %s saved again with identical data; replacing it", final)
+            return
+        log.warning(
+            "replacing checkpoint %s, which verifies (saved at %s by run %s, %d bytes), with "
+            "a different state (%d bytes); the old copy (%s) is deleted",
+            final,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(old.created)),
+            old.run or "(none)",
+            old.total_bytes,
+            new.total_bytes,
+            aside,
+        )
+        events.emit(events.CheckpointRemoved(step=old.step, path=str(final)))
 
     def discard(self, tmp: Path) -> Path | None:
         """Remove the temporary directory of a failed save.
@@ -425,17 +458,37 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ list / retention
     def list_checkpoints(self) -> builtins.list[CheckpointInfo]:
-        """Committed checkpoints, oldest first (damaged ones have ``manifest=None``)."""
+        """Committed checkpoints, oldest first (``manifest=None``: damaged, unreadable or
+        a link; a link is never read through)."""
+        try:
+            root = self.open_root()
+        except FileNotFoundError:
+            return []
+        with root:
+            return self._list(root)
+
+    def _list(self, root: CheckedDir) -> builtins.list[CheckpointInfo]:
         infos: builtins.list[CheckpointInfo] = []
-        for name in self._entries():
+        for name in root.names():
             step = parse_step_dir(name)
-            path = self.directory / name
-            if step is None or not path.is_dir():
+            if step is None:
                 continue
+            path = self.directory / name
             try:
-                manifest: Manifest | None = read_manifest(path)
-            except CheckpointCorruptError:
-                manifest = None
+                mode = root.lstat(name).st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(mode):
+                infos.append(CheckpointInfo(step, path, None, is_link=True))
+                continue
+            if not stat.S_ISDIR(mode):
+                continue
+            manifest: Manifest | None
+            try:
+                with root.open_dir(name) as held:
+                    manifest = read_manifest(path, at=held)
+            except (OSError, CheckpointError):
+                manifest = None  # damaged or unreadable: a load says which
             infos.append(CheckpointInfo(step, path, manifest))
         infos.sort(key=lambda i: i.step)
         return infos
@@ -445,46 +498,84 @@ class CheckpointStore:
         construction, so the newest verified checkpoint is never touched).
 
         Each is first renamed to a ``.trash-`` name (atomic: it leaves the listing whole),
-        then deleted.
+        then deleted through descriptors. Only checkpoints provably this run's are
+        deleted: a manifest naming this run (both ``None`` outside a run). Kept, with a
+        WARNING: damaged or unreadable ones, and, in a run, checkpoints naming no run
+        (written before manifests named their run: remove them by hand); the WARNING
+        names each once per store. A ``step_<N>``
+        that is a link is unlinked, never followed (its target stays).
+
+        Raises:
+            ForeignRunError: the directory holds another run's checkpoints (nothing deleted).
         """
         if self.keep_last is None:
             return
-        infos = self.list_checkpoints()
-        keep = {i.step for i in infos[-self.keep_last :]}
-        keep.update(i.step for i in infos if i.step >= just_saved)
-        if self.keep_every is not None:
-            keep.update(i.step for i in infos if i.step % self.keep_every == 0)
-        for info in infos:
-            if info.step in keep:
-                continue
+        with self.open_root() as root:
+            infos = self._list(root)
+            self.check_directory_run(infos, "prune checkpoints")
+            keep = {i.step for i in infos[-self.keep_last :]}
+            keep.update(i.step for i in infos if i.step >= just_saved)
+            if self.keep_every is not None:
+                keep.update(i.step for i in infos if i.step % self.keep_every == 0)
+            unproven: builtins.list[str] = []
+            for info in infos:
+                if info.step in keep:
+                    continue
+                if not info.is_link and (info.manifest is None or info.manifest.run != self.run_id):
+                    unproven.append(info.path.name)
+                    continue
+                self._remove_checkpoint(root, info)
+        if set(unproven) - self._kept_unproven:  # once per checkpoint, not every save
+            self._kept_unproven.update(unproven)
+            log.warning(
+                "retention kept %s in %s: damaged, unreadable or naming no run (written "
+                "before manifests named their run), so not provably run %s's; remove them by "
+                "hand when no longer needed",
+                ", ".join(unproven),
+                self.directory,
+                self.run_id,
+            )
+
+    def _remove_checkpoint(self, root: CheckedDir, info: CheckpointInfo) -> None:
+        name = info.path.name
+        trash = self._name(TRASH_PREFIX, info.step)
+        if info.is_link:
+            log.info("retention: removing the link %s (its target is not touched)", info.path)
+        else:
             log.info("retention: removing old checkpoint %s", info.path)
-            trash = self.directory / self._name(TRASH_PREFIX, info.step)
-            try:
-                os.rename(info.path, trash)
-                fsync_dir(self.directory)
-                _remove_tree(trash)
-            except OSError as exc:
-                log.warning("retention could not remove %s: %s", info.path, exc)
-            events.emit(events.CheckpointRemoved(step=info.step, path=str(info.path)))
+        try:
+            root.rename(name, trash)
+            root.sync()
+            root.remove(trash, after_first=lambda: _faults.point("mid_retention"))
+        except OSError as exc:
+            log.warning("retention could not remove %s: %s", info.path, exc)
+        events.emit(events.CheckpointRemoved(step=info.step, path=str(info.path)))
 
     # ------------------------------------------------------------------ verify
-    def verify(self, step: int, *, deep: bool = True) -> Manifest:
+    def verify(self, step: int, *, deep: bool = True, at: CheckedDir | None = None) -> Manifest:
         """Verify committed checkpoint ``step`` (sizes; with ``deep`` every CRC32 too).
 
-        Also checks that the directory, the manifest and every data file are owned by this
-        user and not writable by others (nothing else is ever read).
+        The checkpoint directory, ``step_<N>``, the manifest and every data file are
+        opened through held descriptors and must be owned by this user and not writable
+        by others (nothing else is ever read); the manifest must not name another run.
+
+        Args:
+            step: the step.
+            deep: also check every CRC32.
+            at: ``step_<N>`` already held (:meth:`open_checkpoint`): verify that one.
 
         Raises:
             CheckpointCorruptError: missing, incomplete or damaged (naming what).
-            UntrustedCheckpointError: a path is not ours or writable by others.
+            UntrustedCheckpointError: a path is not ours, writable by others, or a link.
+            ForeignRunError: it is another run's checkpoint.
+            CheckpointReadError: an I/O or memory error (not damage: it stays).
         """
         path = self.step_path(step)
-        try:
-            check_private(self.directory, directory=True, follow=True)
-            check_private(path, directory=True)
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"checkpoint {path} does not exist") from exc
-        manifest = verify_checkpoint(path, deep=deep, check=_check_file)
+        if at is None:
+            with self.open_checkpoint(step) as held:
+                return self.verify(step, deep=deep, at=held)
+        manifest = verify_checkpoint(path, deep=deep, at=at)
+        self.check_run(manifest, path)
         return manifest
 
     def report_damaged(self, info: CheckpointInfo, exc: Exception) -> None:
@@ -498,10 +589,14 @@ class CheckpointStore:
 
         Raises:
             UntrustedCheckpointError: a checkpoint is not ours or writable by others.
+            ForeignRunError: the directory holds another run's checkpoints.
+            CheckpointReadError: an I/O or memory error (nothing is skipped for it).
         """
         self.recover()
         self.warn_incomplete()
-        for info in reversed(self.list_checkpoints()):
+        infos = self.list_checkpoints()
+        self.check_directory_run(infos)
+        for info in reversed(infos):
             try:
                 manifest = self.verify(info.step, deep=deep)
             except CheckpointCorruptError as exc:
@@ -509,10 +604,3 @@ class CheckpointStore:
                 continue
             return CheckpointInfo(info.step, info.path, manifest)
         return None
-
-
-def _check_file(path: Path) -> None:
-    try:
-        check_private(path, directory=False)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"checkpoint file {path} is missing") from exc

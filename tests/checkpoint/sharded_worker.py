@@ -1,18 +1,22 @@
 """One rank of a DCP sharded save/load job (run as a script, not collected).
 
-Usage: sharded_worker.py save|load|enospc|refused INIT_FILE CKPT_DIR
+Usage: sharded_worker.py save|load|enospc|refused|race INIT_FILE CKPT_DIR [SECONDS]
 A 12x4 tensor sharded by rows over all ranks (DTensor, Shard(0)) plus a replicated tensor.
 ``save`` writes step 5; ``load`` loads it into a *fresh* DTensor sharded over the current
 world size and checks the full tensor. ``enospc`` saves step 1, then a state too large for
 the (small) filesystem as step 2, and checks that every rank gets our
 ``CheckpointWriteError`` and nothing is left behind. ``refused`` expects the load to be
-refused as untrusted on every rank.
+refused as untrusted on every rank. ``race`` loads again and again for SECONDS (while a
+test renames directories under it) and prints one ``RACE {json}`` line: how many loads
+returned the real state, and every failure (class and message).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.checkpoint.sharded import load_sharded, save_sharded
 from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
-from slurm_elastic.errors import CheckpointWriteError
+from slurm_elastic.errors import CheckpointError, CheckpointWriteError
 
 
 def main() -> None:
@@ -53,6 +57,28 @@ def main() -> None:
             print(f"rank {rank} REFUSED {exc}")
         else:
             raise SystemExit("the untrusted checkpoint was loaded")
+    elif mode == "race":
+        deadline = time.monotonic() + float(sys.argv[4])
+        ok = wrong = 0
+        refused: list[str] = []
+        unclear: list[str] = []
+        while time.monotonic() < deadline:
+            state = {"w": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)])}
+            state["b"] = torch.zeros(3)
+            try:
+                manifest = load_sharded(manager, state)
+            except CheckpointError as exc:  # failing safe: a clear error of ours
+                refused.append(f"{type(exc).__name__}: {exc}")
+                continue
+            except BaseException as exc:  # anything else (DCP's errors) is a finding
+                unclear.append(f"{type(exc).__name__}: {str(exc)[:500]}")
+                continue
+            if manifest is not None and torch.equal(state["w"].full_tensor(), full):
+                ok += 1
+            else:
+                wrong += 1
+        result = {"ok": ok, "wrong": wrong, "refused": refused, "unclear": unclear}
+        print("RACE " + json.dumps(result), flush=True)
     elif mode == "save":
         state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3)}
         path = save_sharded(manager, state, 5, metadata={"epoch": 1})

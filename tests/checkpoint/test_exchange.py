@@ -34,7 +34,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(case: str, world: int, tmp_path: Path, deadline_s: float = 90) -> list[dict[str, Any]]:
+def run_ranks(
+    case: str, world: int, tmp_path: Path, deadline_s: float = 90
+) -> list[dict[str, Any]]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [
@@ -86,7 +88,10 @@ def test_a_pickle_from_a_hostile_sender_never_runs_in_the_receivers(tmp_path: Pa
 @pytest.mark.parametrize(
     ("case", "words"),
     [
-        ("wrong_shape", "model['weight']: torch.float32 [2, 5], this rank has torch.float32 [2, 4]"),
+        (
+            "wrong_shape",
+            "model['weight']: torch.float32 [2, 5], this rank has torch.float32 [2, 4]",
+        ),
         ("float64", "model['weight']: torch.float64 [2, 4], this rank has torch.float32 [2, 4]"),
         ("qint8_header", "dtype 'qint8'"),
         ("huge", "data bytes announced"),
