@@ -74,8 +74,10 @@ __all__ = [
     "dynamic_handler_round",
 ]
 
-#: Supported torch versions: ``(lowest, first unsupported)`` as (major, minor).
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+#: Supported torch versions: ``(lowest, first unsupported)`` as (major, minor); each minor
+#: in the range is tested (CI runs the torch-facing tests on 2.13.0 and 2.14.1). The same
+#: range is in pyproject.toml and the README.
+SUPPORTED_TORCH = ((2, 13), (2, 15))
 
 _DR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 
@@ -119,7 +121,7 @@ def check_torch_version(version: str) -> tuple[int, int]:
     """
     low, high = SUPPORTED_TORCH
     match = re.match(r"^(\d+)\.(\d+)", version)
-    supported = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    supported = " or ".join(f"{low[0]}.{m}" for m in range(low[1], high[1]))
     if match is None:
         raise UnsupportedTorchError(
             f"cannot parse torch version {version!r}; slurm_elastic's rendezvous supports "
@@ -129,8 +131,8 @@ def check_torch_version(version: str) -> tuple[int, int]:
     if not low <= got < high:
         raise UnsupportedTorchError(
             f"torch {version} is not supported by slurm_elastic's rendezvous (it relies on "
-            f"private torch classes verified with torch {supported}). Install a supported "
-            "torch, or run tests/rendezvous/test_torch_contract.py against this version, "
+            f"private torch classes tested with torch {supported}). Install a supported "
+            f"torch (pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}'), or run tests/rendezvous/test_torch_contract.py against this version, "
             "adapt slurm_elastic/rendezvous/torch_compat.py and widen SUPPORTED_TORCH"
         )
     return got

@@ -52,15 +52,25 @@ def test_only_the_compat_module_imports_private_rendezvous_names() -> None:
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1a0+git"])
-def test_supported_versions_pass(version: str) -> None:
-    assert tc.check_torch_version(version) == (2, 13)
+@pytest.mark.parametrize(
+    ("version", "minor"),
+    [
+        ("2.13.0", 13),
+        ("2.13.0+cpu", 13),
+        ("2.13.1a0+git", 13),
+        ("2.14.1+cu130", 14),
+        ("2.14.0", 14),
+    ],
+)
+def test_supported_versions_pass(version: str, minor: int) -> None:
+    assert tc.check_torch_version(version) == (2, minor)
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.14.0", "3.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["2.12.1", "2.15.0", "3.0.0", "garbage"])
 def test_unsupported_versions_fail_naming_version_and_fix(version: str) -> None:
-    with pytest.raises(tc.UnsupportedTorchError, match=r"Install a supported torch"):
+    with pytest.raises(tc.UnsupportedTorchError, match=r"Install a supported torch") as info:
         tc.check_torch_version(version)
+    assert "torch 2.13 or 2.14" in str(info.value) and version in str(info.value)
     with pytest.raises(ImportError):  # an import-time failure, as users will see it
         tc.check_torch_version(version)
 
