@@ -19,6 +19,9 @@ involved, and how to fix it.
     ├── CheckpointError                a checkpoint could not be written or read
     │   ├── CheckpointWriteError       ENOSPC, EACCES, EROFS ...: nothing was lost
     │   ├── CheckpointCorruptError     a checkpoint failed verification
+    │   ├── CheckpointReadError        the node or filesystem failed a read (ENOMEM,
+    │   │                              EIO, a missing device): not damage, kept
+    │   ├── ForeignRunError            the directory holds another run's checkpoints
     │   └── CheckpointMismatchError    a state does not match the model/optimizer
     ├── StateExchangeError             a value a peer sent was refused (malformed, too
     │                                  large, or not this rank's structure): nothing of
@@ -35,8 +38,10 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointReadError",
     "CheckpointWriteError",
     "ConfigError",
+    "ForeignRunError",
     "RendezvousSetupError",
     "SlurmCommandError",
     "SlurmCommandNotFoundError",
@@ -105,6 +110,16 @@ class CheckpointWriteError(CheckpointError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint is incomplete or failed its checksum verification."""
+
+
+class CheckpointReadError(CheckpointError):
+    """A checkpoint could not be read because of the node or the filesystem (an I/O or
+    memory error, a device that does not exist here). It is not damaged and is left in
+    place; fix the cause and retry."""
+
+
+class ForeignRunError(CheckpointError):
+    """A checkpoint directory holds another run's checkpoints: never loaded or pruned."""
 
 
 class CheckpointMismatchError(CheckpointError):

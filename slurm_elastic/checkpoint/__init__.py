@@ -27,7 +27,11 @@ Contract (what a ``train.py`` relies on):
 * :mod:`slurm_elastic.checkpoint.sharded`: FSDP/DTensor state through
   ``torch.distributed.checkpoint`` (reshards on load), same commit protocol.
 * Loads read only paths owned by this user and not writable by others
-  (:class:`UntrustedCheckpointError` otherwise), each verified before torch reads it.
+  (:class:`UntrustedCheckpointError` otherwise), through held directory descriptors, each
+  verified before torch reads it; only size/CRC/parse failures are damage (skipped),
+  node and filesystem errors raise :class:`CheckpointReadError` and keep every
+  checkpoint; manifests name their run and another run's directory raises
+  :class:`ForeignRunError` (never loaded or pruned).
 
 Parts: ``store`` (torch-free: names, commit, listing, retention, verification; the only
 code touching the directory) ← ``serializer`` (``container``: our format) ← ``saver``
@@ -51,6 +55,7 @@ from slurm_elastic.checkpoint.manager import (
 from slurm_elastic.checkpoint.policy import BatchPlan, loss_scale, micro_batches, plan_batches
 from slurm_elastic.checkpoint.sampler import ElasticSampler, StepSlice
 from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
+from slurm_elastic.errors import CheckpointReadError, ForeignRunError
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -58,7 +63,9 @@ __all__ = [
     "CheckpointFlushTimeout",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointReadError",
     "ElasticSampler",
+    "ForeignRunError",
     "LoadedCheckpoint",
     "ResumeInfo",
     "StepSlice",

@@ -40,7 +40,13 @@ from pathlib import Path
 from types import TracebackType
 
 from slurm_elastic.envvars import RUN_ID_ENV
-from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, UnsafeDirectoryError
+from slurm_elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointReadError,
+    ForeignRunError,
+    UnsafeDirectoryError,
+)
 from slurm_elastic.privatefs import ensure_private_dir
 
 __all__ = [
@@ -62,16 +68,6 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class UntrustedCheckpointError(CheckpointError):
     """A checkpoint path is owned by another user or writable by others: never read."""
-
-
-class ForeignRunError(CheckpointError):
-    """A checkpoint directory holds another run's checkpoints: never loaded or pruned."""
-
-
-class CheckpointReadError(CheckpointError):
-    """A checkpoint could not be read because of the node or the filesystem (an I/O or
-    memory error, a device that does not exist here). It is not damaged and is left in
-    place; fix the cause and retry."""
 
 
 _HINTS = {
