@@ -190,7 +190,8 @@ class ElasticState:
             self.optimizer.register_step_pre_hook(lambda *_: self.wait())
             self._hooked = True
         live = self.model.state_dict()
-        buffers = {name for name, _ in self.model.named_buffers()}
+        # every name a buffer has in state_dict(): a module used twice appears twice
+        buffers = {name for name, _ in self.model.named_buffers(remove_duplicate=False)}
         now = {k: _host_copy(v) for k, v in live.items() if k in buffers}
         optimizer = self.optimizer.state_dict()  # references the live state tensors
         snap: dict[str, Any] = {"counters": copy.deepcopy(self.counters)}

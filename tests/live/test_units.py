@@ -126,8 +126,9 @@ def test_agent_uses_torchs_monitor_loop() -> None:
     assert "_restart_workers" in SlurmElasticAgent.__dict__
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-batchnorm"])
 def test_background_commit_is_the_state_at_commit_time_although_the_optimizer_steps_at_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, shared: bool
 ) -> None:
     # A slow copy (every tensor copy sleeps) makes the race certain: without the
     # optimizer's step pre-hook, the next step would change the parameters mid-copy.
@@ -142,7 +143,11 @@ def test_background_commit_is_the_state_at_commit_time_although_the_optimizer_st
 
     monkeypatch.setattr(state_module, "_host_copy", slow_copy)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256))
+    norm = torch.nn.BatchNorm1d(256)
+    # shared: the same BatchNorm used twice in a forward; its statistics appear under two
+    # names in state_dict() (once in named_buffers()), and both must be the commit's
+    layers = [torch.nn.Linear(256, 256), norm] + ([norm] if shared else [])
+    model = torch.nn.Sequential(*layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step() -> None:
