@@ -61,8 +61,8 @@ import torch
 
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import crc32, crc32_mapping
-from slurm_elastic.checkpoint.trust import CheckedDir, check_fd, read_error
-from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
+from slurm_elastic.checkpoint.trust import CheckedDir, open_data_file, read_error
+from slurm_elastic.errors import CheckpointCorruptError
 
 __all__ = [
     "DTYPES",
@@ -327,17 +327,8 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 def _open_checked(path: Path, expected_size: int, at: CheckedDir | None) -> tuple[int, int]:
     """Open ``path`` (no links; through the held directory ``at`` when given: ours and
     private, checked on the open descriptor) and check it has the recorded size."""
+    fd = open_data_file(path, at)
     try:
-        fd = at.open_file(path.name) if at is not None else os.open(path, _FILE_FLAGS)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"checkpoint file {path} is missing ({exc})") from exc
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise read_error(exc, f"checkpoint file {path}") from exc
-    try:
-        if at is None:  # opened by path: the file itself must still be ours and private
-            check_fd(fd, path, directory=False)
         size = os.fstat(fd).st_size
         if size != expected_size:
             raise CheckpointCorruptError(

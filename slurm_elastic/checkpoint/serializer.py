@@ -43,7 +43,12 @@ from slurm_elastic.checkpoint.container import (
 )
 from slurm_elastic.checkpoint.manifest import FileRecord, crc32, crc32_fd
 from slurm_elastic.checkpoint.staging import state_nbytes
-from slurm_elastic.checkpoint.trust import CheckedDir, CheckpointReadError, check_fd, read_error
+from slurm_elastic.checkpoint.trust import (
+    CheckedDir,
+    CheckpointReadError,
+    open_data_file,
+    read_error,
+)
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 __all__ = [
@@ -283,17 +288,8 @@ def read_state(
         return decode_tree(parsed.tree, moved)
     if record.name != TORCH_FILE:
         raise CheckpointCorruptError(f"checkpoint {directory} has no state file ({record.name})")
+    fd = open_data_file(path, at)
     try:
-        fd = at.open_file(record.name) if at is not None else os.open(path, _FILE_FLAGS)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"checkpoint file {path} is missing ({exc})") from exc
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise read_error(exc, f"checkpoint file {path}") from exc
-    try:
-        if at is None:
-            check_fd(fd, path, directory=False)
         try:
             size, crc = crc32_fd(fd)
         except (OSError, MemoryError) as exc:

@@ -58,6 +58,7 @@ __all__ = [
     "check_private",
     "check_run",
     "make_private_dir",
+    "open_data_file",
     "read_error",
 ]
 
@@ -434,3 +435,30 @@ def make_private_dir(path: Path) -> None:
             raise _describe_loop(path, exc) from exc
         raise
     check_private(path, directory=True, follow=True)
+
+
+def open_data_file(path: Path, at: CheckedDir | None) -> int:
+    """Open checkpoint file ``path`` for reading: through the held directory ``at`` when
+    given (checked on the open descriptor), else by path without following a link and
+    checked after the open. Return the descriptor (the caller closes it).
+
+    Raises:
+        CheckpointCorruptError: it is missing (the manifest names it: damage).
+        UntrustedCheckpointError: not ours, writable by others, a link or not a file.
+        CheckpointReadError: the node or the filesystem failed the open.
+    """
+    try:
+        fd = at.open_file(path.name) if at is not None else os.open(path, _FILE_FLAGS)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing ({exc})") from exc
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise read_error(exc, f"checkpoint file {path}") from exc
+    if at is None:  # opened by path: the file itself must still be ours and private
+        try:
+            check_fd(fd, path, directory=False)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
