@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +42,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from slurm_elastic import envvars, events, notice, signals
+from slurm_elastic.agent import node_dirs
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.agent.watchdog import ProgressWatch
@@ -249,7 +249,8 @@ def run_agent(
     """
     env = os.environ if environ is None else environ
     slurm = SlurmEnv.from_environ(env)
-    node_dir = Path(tempfile.mkdtemp(prefix="slurm-elastic-node-"))
+    node_dirs.sweep()  # of agents killed before they could remove theirs
+    node_dir = node_dirs.create()
     notice_file = node_dir / "notice"
     heartbeat_file = node_dir / "progress"
     control_dir = node_dir / "control"
