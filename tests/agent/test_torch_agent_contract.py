@@ -1,0 +1,160 @@
+"""Contract of torch's agent: every protected ``LocalElasticAgent`` member SlurmElasticAgent
+overrides, calls or reads, pinned so that a torch release that renames one, changes its
+signature or changes the restart accounting fails here (not in a user's job).
+
+Runs on each supported torch (scripts/test.sh runs tests/agent on 2.13.0 and 2.14.1).
+The behaviour tests drive torch's own ``_invoke_run`` loop with the worker side replaced
+at its seam (monitor/restart/stop record calls instead of running processes): what is
+pinned is torch's loop, not workers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    SimpleElasticAgent,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
+
+# name -> the parameters (after self) torch's method has; SlurmElasticAgent overrides
+# these and calls super() with the same arguments.
+OVERRIDDEN = {
+    "_rendezvous": ["worker_group"],
+    "_assign_worker_ranks": ["store", "group_rank", "group_world_size", "spec"],
+    "_initialize_workers": ["worker_group"],
+    "_start_workers": ["worker_group"],
+    "_monitor_workers": ["worker_group"],
+    "_restart_workers": ["worker_group"],
+}
+CALLED = {"_stop_workers": ["worker_group"], "_invoke_run": ["role"]}
+
+
+def params(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)[1:]
+
+
+@pytest.mark.parametrize("name", sorted(OVERRIDDEN))
+def test_each_overridden_hook_exists_in_torch_with_our_signature(name: str) -> None:
+    theirs = getattr(LocalElasticAgent, name)
+    assert params(theirs) == OVERRIDDEN[name], f"torch changed {name}{inspect.signature(theirs)}"
+    assert params(getattr(SlurmElasticAgent, name)) == OVERRIDDEN[name]
+    assert name in SlurmElasticAgent.__dict__  # ours really overrides it
+
+
+@pytest.mark.parametrize("name", sorted(CALLED))
+def test_each_called_hook_exists_in_torch_with_the_expected_signature(name: str) -> None:
+    assert params(getattr(LocalElasticAgent, name)) == CALLED[name]
+    assert name not in SlurmElasticAgent.__dict__  # torch's own, not a copy
+
+
+class _Handler(RendezvousHandler):
+    """The smallest public rendezvous handler (never asked to form a round here)."""
+
+    def __init__(self, waiting: list[int]) -> None:
+        self.waiting = waiting
+
+    def get_backend(self) -> str:
+        return "contract"
+
+    def next_rendezvous(self) -> Any:
+        raise AssertionError("not used")
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return self.waiting.pop(0) if self.waiting else 0
+
+    def get_run_id(self) -> str:
+        return "contract"
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def agent(max_restarts: int, states: list[WorkerState], waiting: list[int]) -> Any:
+    """A real LocalElasticAgent whose worker side is replaced at the seam."""
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=1,
+        rdzv_handler=_Handler(waiting),
+        entrypoint="true",
+        max_restarts=max_restarts,
+        monitor_interval=0.001,
+    )
+
+    calls: list[tuple[str, int]] = []
+
+    class Seam(LocalElasticAgent):
+
+        def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+            worker_group.state = WorkerState.HEALTHY
+
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            return RunResult(state=states.pop(0))
+
+        def _restart_workers(self, worker_group: WorkerGroup) -> None:
+            calls.append(("restart", self._remaining_restarts))
+            worker_group.state = WorkerState.HEALTHY
+
+        def _stop_workers(self, worker_group: WorkerGroup) -> None:
+            calls.append(("stop", self._remaining_restarts))
+
+        def _exit_barrier(self) -> None:
+            calls.append(("exit_barrier", self._remaining_restarts))
+
+    seam = Seam(spec=spec, logs_specs=DefaultLogsSpecs())
+    seam.calls = calls
+    return seam
+
+
+def test_the_restart_budget_and_the_attributes_we_read_are_torchs() -> None:
+    a = agent(3, [], [])
+    assert a._remaining_restarts == 3  # SlurmElasticAgent refunds and reads it
+    assert isinstance(a._worker_group, WorkerGroup)  # read for the handler and workers
+    assert a._pcontext is None  # before the first start; pids()/wait()/stdouts after
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    for member in ("pids", "wait"):
+        assert callable(getattr(PContext, member)), member
+    assert "stdouts" in inspect.getsource(PContext.__init__)
+
+
+def test_torch_charges_one_restart_before_calling_restart_workers_on_a_failure() -> None:
+    """SlurmElasticAgent refunds a failure caused by a membership change with one +1,
+    relying on exactly this accounting."""
+    a = agent(2, [WorkerState.FAILED, WorkerState.FAILED, WorkerState.SUCCEEDED], [])
+    result = a._invoke_run()
+    assert result.state == WorkerState.SUCCEEDED
+    assert a.calls == [("restart", 1), ("restart", 0), ("exit_barrier", 0)]
+
+
+def test_torch_stops_without_restarting_when_the_budget_is_spent() -> None:
+    """The refund must come before torch sees a zero budget (in _monitor_workers)."""
+    a = agent(0, [WorkerState.FAILED], [])
+    assert a._invoke_run().state == WorkerState.FAILED
+    assert a.calls == [("stop", 0)]
+
+
+def test_a_membership_change_is_a_restart_that_costs_no_budget() -> None:
+    a = agent(1, [WorkerState.HEALTHY, WorkerState.SUCCEEDED], [2])
+    assert a._invoke_run().state == WorkerState.SUCCEEDED
+    assert a.calls == [("restart", 1), ("exit_barrier", 1)]
+
+
+def test_our_agent_keeps_torchs_loop() -> None:
+    assert SlurmElasticAgent._invoke_run is SimpleElasticAgent._invoke_run
