@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def run_ranks(
-    case: str, world: int, tmp_path: Path, deadline_s: float = 90
+    case: str, world: int, tmp_path: Path, deadline_s: float = 240
 ) -> list[dict[str, Any]]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

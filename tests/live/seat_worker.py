@@ -30,7 +30,7 @@ def main() -> None:
         ElasticState(torch.nn.Linear(1, 1)),
         backend="gloo",
         ddp_kwargs={},
-        timeout=timedelta(seconds=30),
+        timeout=timedelta(seconds=90),  # the real rank 0 starts late, on purpose
         reform_timeout_s=30,
         in_place=True,
     )
