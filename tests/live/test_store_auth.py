@@ -9,7 +9,6 @@ forked child; the workers are real processes joining the way ElasticLoop joins i
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -20,7 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from slurm_elastic.errors import UnsafeDirectoryError
@@ -30,6 +28,7 @@ from tests.helpers import Other, second_user, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("seat_worker.py")
+OUTSIDER = Path(__file__).with_name("outsider.py")
 ROUND = 7
 
 
@@ -58,40 +57,23 @@ def test_an_outsider_who_reaches_the_store_cannot_take_a_seat(tmp_path: Path, ot
         "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True
     )  # the round's store, as the agent hosts it
 
-    def attack() -> None:
-        try:
-            auth.load_key(key_file)
-            (drop / "key").write_text("read")
-        except OSError as exc:
-            (drop / "key").write_text(type(exc).__name__)
-        client = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20), use_libuv=True
-        )
-        namespace = dist.PrefixStore(f"slurm_elastic.live.{ROUND}", client)
-        namespace.set("ready/0", "1")
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("pg", namespace),
-            rank=0,
-            world_size=3,
-            timeout=timedelta(seconds=20),
-        )
-        t = torch.tensor([100.0])
-        dist.all_reduce(t)
-        (drop / "seated").write_text(str(t.item()))
-
-    attacker = other.start(attack)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop(auth.KEY_FILE_ENV, None)
+    argv = [sys.executable, str(OUTSIDER), str(other.uid), str(other.gid), str(port)]
+    argv += [str(ROUND), str(key_file), str(drop)]
+    outsider_log = open(tmp_path / "outsider.log", "wb")  # noqa: SIM115 - closed with the test
+    attacker = subprocess.Popen(argv, env=env, stdout=outsider_log, stderr=subprocess.STDOUT)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         # The outsider is first: its rank-0 address is in the store before anyone's.
-        wait_for(
-            lambda: any(
+        def outsider_in_store() -> bool:
+            log = (tmp_path / "outsider.log").read_text(errors="replace")
+            assert attacker.poll() is None or any(
                 k.startswith(f"slurm_elastic.live.{ROUND}/pg/") for k in master.list_keys()
-            ),
-            30,
-            "the outsider's address in the round's store",
-        )
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            ), f"the outsider ended before writing its address:\n{log}"
+            return any(k.startswith(f"slurm_elastic.live.{ROUND}/pg/") for k in master.list_keys())
+
+        wait_for(outsider_in_store, 60, "the outsider's address in the round's store")
         env[auth.KEY_FILE_ENV] = str(key_file)
 
         def worker(rank: int) -> subprocess.Popen[bytes]:
@@ -121,9 +103,9 @@ def test_an_outsider_who_reaches_the_store_cannot_take_a_seat(tmp_path: Path, ot
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(attacker, 9)
-        os.waitpid(attacker, 0)
+        if attacker.poll() is None:
+            attacker.kill()
+        attacker.wait()
         shutil.rmtree(drop, ignore_errors=True)
 
 
