@@ -72,9 +72,23 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _commit() -> str:
+    """The checkout's commit (-dirty with uncommitted changes), for the table header."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
 def table(rows: list[dict[str, Any]], mode: str) -> str:
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine += f", commit {_commit()}, load average {os.getloadavg()[0]:.1f} at the end"
     extra = sorted(
         {k for r in rows for k in r}
         - {"bench", "case", "ours", "baseline", "ratio", "target", "ok", "unit"}
