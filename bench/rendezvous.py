@@ -61,9 +61,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Run from the checkout as documented (python bench/rendezvous.py): the churn soak lives
 # in the test tree (tests/rendezvous/soak.py), importable from the repository root.
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
