@@ -100,7 +100,6 @@ def agent(max_restarts: int, states: list[WorkerState], waiting: list[int]) -> A
     calls: list[tuple[str, int]] = []
 
     class Seam(LocalElasticAgent):
-
         def _initialize_workers(self, worker_group: WorkerGroup) -> None:
             worker_group.state = WorkerState.HEALTHY
 
