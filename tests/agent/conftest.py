@@ -86,6 +86,19 @@ class AgentRun:
             self.proc.kill()
 
 
+def single_agent(
+    run_id: str, script: Path, *extra: str, **env: str
+) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` of one agent with one worker running ``script`` outside Slurm
+    (this checkout importable, no ``SLURM_*`` variables, ``env`` added)."""
+    child = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    child.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]), **env)
+    argv = [sys.executable, "-m", "slurm_elastic.cli.main", "agent", "--nnodes", "1"]
+    argv += ["--nproc-per-node", "1", "--rdzv-id", run_id, "--local-addr", "127.0.0.1"]
+    argv += ["--max-restarts", "0", *extra, str(script)]
+    return argv, child
+
+
 def records(out: Path) -> list[dict[str, Any]]:
     path = out / "records.jsonl"
     if not path.exists():

@@ -7,39 +7,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from slurm_elastic.agent import node_dirs
+from tests.agent.conftest import single_agent
 from tests.helpers import wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def agent(tmp_path: Path, temp: Path, run_id: str, script: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
-    argv = [
-        sys.executable,
-        "-m",
-        "slurm_elastic.cli.main",
-        "agent",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-id",
-        run_id,
-        "--local-addr",
-        "127.0.0.1",
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--max-restarts",
-        "0",
-        str(script),
-    ]
+    state = str(tmp_path / "state")
+    argv, env = single_agent(run_id, script, "--state-dir", state, TMPDIR=str(temp))
     log = open(tmp_path / f"{run_id}.log", "ab")  # noqa: SIM115 - the child holds it
     return subprocess.Popen(
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

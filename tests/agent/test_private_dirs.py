@@ -13,15 +13,14 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from slurm_elastic.errors import UnsafeDirectoryError
 from slurm_elastic.privatefs import ensure_private_dir
+from tests.agent.conftest import single_agent
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import torch
 from slurm_elastic import events
@@ -55,25 +54,7 @@ def modes(top: Path) -> dict[str, int]:
 def run_agent(project: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "w.py"
     script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    argv = [
-        sys.executable,
-        "-m",
-        "slurm_elastic.cli.main",
-        "agent",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-id",
-        "r1",
-        "--local-addr",
-        "127.0.0.1",
-        "--max-restarts",
-        "0",
-        str(script),
-    ]
+    argv, env = single_agent("r1", script)
     return subprocess.run(
         argv,
         cwd=project,
