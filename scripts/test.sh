@@ -77,6 +77,10 @@ if [[ $(id -u) -eq 0 ]] && ! command -v etcd >/dev/null; then
 fi
 
 # ---------------------------------------------------------------- tests
+# Read, then removed from the environment: the agents the tests start refuse an unknown
+# SLURM_ELASTIC_* variable (a typo in a config key must not pass silently).
+second=${SLURM_ELASTIC_SECOND_TORCH:-}
+unset SLURM_ELASTIC_SECOND_TORCH
 rc=0
 PATH=$VENV/bin:$PATH "$PY" -m pytest --durations=40 "$@" || rc=$?
 
@@ -87,7 +91,6 @@ PATH=$VENV/bin:$PATH "$PY" -m pytest --durations=40 "$@" || rc=$?
 # run again on 2.14.1 in .venv-torch2.14 (a CUDA build that runs on the CPU: ~4 min and
 # 5.5 GB to install once). It runs when no pytest arguments were given (the CI path);
 # SLURM_ELASTIC_SECOND_TORCH=0 skips it, =1 runs it whatever the arguments.
-second=${SLURM_ELASTIC_SECOND_TORCH:-}
 if [[ -z $second ]]; then
     if [[ $# -eq 0 ]]; then second=1; else second=0; fi
 fi
