@@ -1,6 +1,6 @@
 """Values exchanged between ranks without pickle.
 
-torch's ``*_object`` collectives (``broadcast_object_list``, ``all_gather_object``) pickle
+torch's object collectives (the ``*_object`` and ``*_object_list`` functions) pickle
 what is sent and unpickle what is received, so whoever takes a seat in a round (its
 TCPStore is reachable by other users of the cluster) could run code in every receiver.
 Every object slurm_elastic exchanges goes through this module instead:
@@ -253,7 +253,8 @@ def broadcast(
     if failed >= 0:
         raise _refused(local, failed, what)
     if me == src:
-        assert data is not None
+        if data is None:  # an internal invariant: the sender's own refusal raised above
+            raise StateExchangeError(f"{what} has no data to send")
         if dlen:
             dist.broadcast(data.to(device), src=src, group=group)
         return value

@@ -266,7 +266,8 @@ def load_sharded(
         first = next((failure_of(f) for f in failures if f is not None), None)
         if first is not None:
             raise first
-        assert manifest is not None and held is not None
+        if manifest is None or held is None:  # an internal invariant, not input
+            raise CheckpointError(f"checkpoint step {chosen} was not opened on this rank")
         try:
             dcp.load(state_dict, storage_reader=dcp.FileSystemReader(held.proc_path))
         except (Exception, CheckpointException) as exc:
