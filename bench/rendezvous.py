@@ -368,8 +368,8 @@ def _sim_process(conn: Connection, go: Any, root: str, run_id: str, n: int, coun
     def agent(i: int) -> None:
         start.wait()
         try:
-            _, parts = handlers[i].join_round(time.monotonic() + 600)
-            ranks[i] = parts[handlers[i]._this_node]
+            seat = handlers[i].join_round(time.monotonic() + 600)
+            ranks[i] = None if seat is None else seat.rank
         except Exception as exc:
             ranks[i] = None
             errs.append(f"{type(exc).__name__}: {exc}")

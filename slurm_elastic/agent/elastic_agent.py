@@ -66,7 +66,6 @@ from slurm_elastic.agent.round_store import RoundBoundStore, RoundBrokenError
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.live import control
 from slurm_elastic.rendezvous.protocols import RoundReporting, RoundWatching, SeatKeeping
-from slurm_elastic.rendezvous.torch_compat import dynamic_handler_round
 
 __all__ = ["SlurmElasticAgent"]
 
@@ -77,7 +76,21 @@ def _round_of(handler: RendezvousHandler) -> int:
     """The rendezvous round just joined, the same number on every node."""
     if isinstance(handler, RoundReporting) and handler.current_round is not None:
         return handler.current_round
-    return dynamic_handler_round(handler) or 0  # torch's c10d / etcd handlers
+    return _dynamic_handler_round(handler) or 0  # torch's c10d / etcd handlers
+
+
+def _dynamic_handler_round(handler: object) -> int | None:
+    """The round held by torch's ``DynamicRendezvousHandler`` (c10d, etcd), else ``None``.
+
+    Torch's handlers do not report their round publicly: this reads their private state
+    holder, defensively (any change in torch gives ``None``, then round 0: in-place
+    workers then only lose the stale-assignment check). Ours reports it
+    (``RoundReporting``).
+    """
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    value = getattr(state, "round", None)
+    return value if isinstance(value, int) else None
 
 
 class SlurmElasticAgent(LocalElasticAgent):

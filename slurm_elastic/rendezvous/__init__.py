@@ -18,11 +18,12 @@ Contract:
   directory descriptors without following links. TCPStore has no authentication.
 
 Modules: :mod:`.filesystem` (the few FS primitives, checks, op counters),
-:mod:`.backend` (lock-free compare-and-set state), :mod:`.run_directory` (epochs,
+:mod:`.state` (the JSON state, read a row at a time), :mod:`.decisions` (the rules,
+pure), :mod:`.backend` (lock-free compare-and-set state), :mod:`.run_directory` (epochs,
 requeue safety, run ids shared by two jobs), :mod:`.heartbeat` (counter heartbeats),
 :mod:`.join_intents` (contention-free joining), :mod:`.executor` (the op loop),
-:mod:`.torch_compat` (the only
-module touching torch's private rendezvous names), :mod:`.worker_store`
+:mod:`.torch_compat` (the tested torch range; no private torch name is used anywhere
+here), :mod:`.worker_store`
 (per-round TCPStore), :mod:`.options` (``--rdzv-conf`` keys), :mod:`.handler`,
 :mod:`.factory` (the creator),
 :mod:`.registration` (wiring, torchrun entry point). See ``docs/rendezvous.md``.

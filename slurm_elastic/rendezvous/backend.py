@@ -1,6 +1,6 @@
 """``FileRendezvousBackend``: torch's rendezvous state on a shared directory, lock-free.
 
-**One linear history.** The state (torch's pickled ``_RendezvousState``) lives in
+**One linear history.** The state (JSON, :mod:`.state`) lives in
 *immutable generation files* ``seg.<k>/state.<n>`` (segment ``k = n // 64``). The
 token is the generation number ``n``. A compare-and-set from token ``t``:
 
@@ -29,8 +29,8 @@ generation changed). Per successful write: ``stat`` + ``open`` + ``link`` + ``un
 ``listdir`` and the removal of one old segment. None of it depends on the number of nodes.
 
 File format: ``b"SLRDV1\\n"``, generation (u64), payload length (u64), CRC-32 (u32),
-payload. A newest record that fails any check (magic, length, CRC, or the restricted
-unpickler, which admits only the classes of torch's state) raises
+payload. A newest record that fails any check (magic, length, CRC, or the strict
+parse of :func:`~.state.decode_state`) raises
 :class:`RendezvousStateError` naming the file: a corrupt state never silently becomes
 an empty one.
 """
@@ -38,13 +38,9 @@ an empty one.
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
 import logging
 import os
-import pickle
 import struct
-import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -53,13 +49,15 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousStateError,
 )
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from slurm_elastic.errors import RendezvousSetupError
-from slurm_elastic.rendezvous.filesystem import MissingDirectoryError, SafeDir
-from slurm_elastic.rendezvous.torch_compat import (
-    STATE_PICKLE_GLOBALS,
-    RendezvousBackend,
-    _RendezvousState,
+from slurm_elastic.rendezvous.filesystem import FS_OPS, MissingDirectoryError, SafeDir
+from slurm_elastic.rendezvous.state import (
+    MalformedRecordError,
+    State,
+    StateView,
+    decode_state,
 )
 
 __all__ = [
@@ -67,11 +65,8 @@ __all__ = [
     "SEGMENT",
     "FileRendezvousBackend",
     "MalformedRecordError",
-    "copy_state",
-    "decode_state",
     "encode_record",
     "init_state_dir",
-    "load_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,69 +81,7 @@ _MAGIC = b"SLRDV1\n"
 _HEADER = struct.Struct(">QQI")
 _EMPTY = b""  # payload of generation 0: "no state"
 _MAX_PROBE = 4 * SEGMENT
-
-
-class MalformedRecordError(RendezvousStateError):
-    """A state record failed a check (format, checksum, or allowed classes/arguments)."""
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in STATE_PICKLE_GLOBALS:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a state")
-        return super().find_class(module, name)
-
-
-def decode_state(payload: bytes) -> _RendezvousState:
-    """Unpickle a state payload, admitting only the classes torch's state uses.
-
-    Raises:
-        MalformedRecordError: the payload is not a plain rendezvous state, including
-            allowed classes called with bad arguments (``datetime('x')``, a huge
-            ``timedelta``) and fields of the wrong type.
-    """
-    try:
-        obj = _RestrictedUnpickler(io.BytesIO(payload)).load()
-    except Exception as exc:  # any failure of a foreign pickle is a malformed record
-        raise MalformedRecordError(f"{type(exc).__name__}: {exc}") from exc
-    if not isinstance(obj, _RendezvousState):
-        raise MalformedRecordError(f"payload holds a {type(obj).__name__}, not a state")
-    try:
-        _check_fields(obj)
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise MalformedRecordError(f"bad state field: {exc}") from exc
-    return obj
-
-
-def _check_fields(s: _RendezvousState) -> None:
-    from datetime import datetime
-
-    from slurm_elastic.rendezvous.torch_compat import _NodeDesc
-
-    if not isinstance(s.round, int) or not isinstance(s.complete, bool):
-        raise TypeError("round/complete")
-    if not isinstance(s.closed, bool) or not (
-        s.deadline is None or isinstance(s.deadline, datetime)
-    ):
-        raise TypeError("closed/deadline")
-    if not isinstance(s.participants, dict) or not all(
-        isinstance(k, _NodeDesc) and isinstance(v, int) for k, v in s.participants.items()
-    ):
-        raise TypeError("participants")
-    for name in ("wait_list", "redundancy_list"):
-        value = getattr(s, name)
-        if not isinstance(value, set) or not all(isinstance(n, _NodeDesc) for n in value):
-            raise TypeError(name)
-    if not isinstance(s.last_heartbeats, dict):
-        raise TypeError("last_heartbeats")
-    nodes = [*s.participants, *s.wait_list, *s.redundancy_list, *s.last_heartbeats]
-    for node in nodes:
-        if not isinstance(node, _NodeDesc):
-            raise TypeError("node")
-        if not (isinstance(node.addr, str) and isinstance(node.pid, int)):
-            raise TypeError("node fields")
-        if not isinstance(node.local_id, int):
-            raise TypeError("node fields")
+_PREFIX = len(_MAGIC) + _HEADER.size  # bytes before the payload
 
 
 def encode_record(generation: int, payload: bytes) -> bytes:
@@ -177,58 +110,8 @@ def _decode_record(data: bytes, generation: int) -> bytes:
     return payload
 
 
-_DECODED: dict[bytes, _RendezvousState] = {}
-_DECODED_LOCK = threading.Lock()
-_DECODED_MAX = 16
-
-
-def _decoded(payload: bytes) -> _RendezvousState:
-    """The decoded (checked) state of ``payload``, shared: never mutate it.
-
-    :func:`decode_state` runs once per distinct payload in this process: all backend
-    objects and state holders of a process (the agent's, its watcher's, or many
-    simulated agents) read the same few states, and unpickling a state of 1,024 nodes
-    costs ~10 ms of CPU.
-    """
-    key = hashlib.sha256(payload).digest()
-    found = _DECODED.get(key)
-    if found is not None:
-        return found
-    # One decoder at a time: threads that read a new state together wait for the
-    # first one's result instead of all decoding it (a thundering herd).
-    with _DECODED_LOCK:
-        found = _DECODED.get(key)
-        if found is None:
-            found = _DECODED[key] = decode_state(payload)
-            while len(_DECODED) > _DECODED_MAX:
-                del _DECODED[next(iter(_DECODED))]
-    return found
-
-
 def _validate(payload: bytes) -> None:
-    _decoded(payload)
-
-
-def copy_state(state: _RendezvousState) -> _RendezvousState:
-    """A copy of ``state`` that may be mutated without affecting ``state``.
-
-    Node descriptors and datetimes are immutable and shared; the containers are
-    copied (O(N) in C, ~100x cheaper than unpickling).
-    """
-    new = _RendezvousState.__new__(_RendezvousState)
-    new.__dict__.update(
-        {k: (v.copy() if isinstance(v, (dict, set, list)) else v) for k, v in vars(state).items()}
-    )
-    return new
-
-
-def load_state(payload: bytes) -> _RendezvousState:
-    """Decode ``payload`` into a fresh, mutable state (checked; decoded once per process).
-
-    Raises:
-        MalformedRecordError: see :func:`decode_state`.
-    """
-    return copy_state(_decoded(payload))
+    decode_state(payload)
 
 
 def _seg(generation: int) -> str:
@@ -277,6 +160,8 @@ class FileRendezvousBackend(RendezvousBackend):
         self._cached: tuple[int, bytes] | None = None
         self._last_seen = 0
         self._warned: set[str] = set()
+        self._decoded: tuple[int, State] | None = None
+        self._view: tuple[int, StateView, int] | None = None
 
     @property
     def name(self) -> str:
@@ -505,6 +390,102 @@ class FileRendezvousBackend(RendezvousBackend):
             f"the rendezvous state in {str(self._root.path)!r} kept changing or vanishing "
             "while being read; check that the directory is not being cleaned concurrently"
         )
+
+    def read_full(self) -> tuple[int, State]:
+        """The newest generation and its whole state, checked (a copy to change).
+
+        For writers: a node that only decides reads a :meth:`view`.
+
+        Raises:
+            RendezvousStateError, RendezvousConnectionError: see :meth:`get_state`.
+        """
+        got = self.get_state()
+        if got is None:
+            return 0, State()
+        gen = got[1]
+        if self._decoded is None or self._decoded[0] != gen:
+            self._decoded = (gen, decode_state(got[0]))
+        return gen, self._decoded[1].copy()
+
+    def read_state(self, generation: int) -> State | None:
+        """The whole state of ``generation``, checked; None once it was collected.
+
+        Raises:
+            MalformedRecordError: the record is malformed (named).
+        """
+        payload = self._read_generation(generation)
+        return None if payload is None else decode_state(payload) if generation else State()
+
+    def view(self, *, probe: bool = True) -> tuple[int, StateView | State]:
+        """The newest generation and a lazy view of its state (header + rows on demand).
+
+        ``O(log N)`` bytes for a node that reads its own row: see
+        :class:`~.state.StateView`. Generation 0 is the empty :class:`~.state.State`.
+
+        Raises:
+            MalformedRecordError: the record (or a row later read) is malformed.
+            RendezvousConnectionError: the directory cannot be read.
+        """
+        for _ in range(8):
+            gen = self.latest_generation(probe=probe)
+            if gen == 0:
+                return 0, State()
+            if self._view is not None and self._view[0] == gen:
+                return gen, self._view[1]
+            seg = self._segment(gen)
+            fd = None if seg is None else seg.open_read(_name(gen))
+            if fd is None:  # collected under our feet: look again
+                self._check_not_deleted()
+                self._last_seen = 0
+                self._last_seen = self._scan()
+                continue
+            self._close_view()
+            try:
+                view = self._open_view(fd, gen)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._view = (gen, view, fd)
+            return gen, view
+        self._check_not_deleted()
+        raise RendezvousStateError(
+            f"the rendezvous state in {str(self._root.path)!r} kept vanishing while being "
+            "read; check that the directory is not being cleaned concurrently"
+        )
+
+    def _open_view(self, fd: int, gen: int) -> StateView:
+        size = os.fstat(fd).st_size
+
+        def read_at(offset: int, n: int) -> bytes:
+            FS_OPS.add("read")
+            data = os.pread(fd, n, _PREFIX + offset)
+            if len(data) != n:
+                raise MalformedRecordError(f"short read at {offset} of {n} bytes")
+            return data
+
+        try:
+            FS_OPS.add("read")
+            head = os.pread(fd, _PREFIX, 0)
+            if not head.startswith(_MAGIC) or len(head) != _PREFIX:
+                raise MalformedRecordError("bad magic")
+            number, length, _crc = _HEADER.unpack_from(head, len(_MAGIC))
+            if number != gen or length != size - _PREFIX:
+                raise MalformedRecordError(f"header says generation {number}, {length} bytes")
+            return StateView(read_at, length)
+        except MalformedRecordError as exc:
+            raise self._malformed(gen, str(exc)) from exc
+
+    def _close_view(self) -> None:
+        if self._view is not None:
+            os.close(self._view[2])
+            self._view = None
+
+    def close(self) -> None:
+        """Release the descriptors this backend holds."""
+        self._close_view()
+        for seg in self._segs.values():
+            seg.close()
+        self._segs.clear()
 
     # -- writing ---------------------------------------------------------------------
 

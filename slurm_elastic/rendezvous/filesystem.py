@@ -413,6 +413,21 @@ class SafeDir:
         finally:
             os.close(fd)
 
+    def open_read(self, name: str) -> int | None:
+        """Open regular file ``name`` (no symlink) for reading: a descriptor, or None.
+
+        The caller closes it. Raises ``OSError`` (``ELOOP``, ``EISDIR``) like :meth:`read`.
+        """
+        FS_OPS.add("open")
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EISDIR, f"{self.path / name} is not a regular file")
+        return fd
+
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists (``lstat``; a symlink counts)."""
         FS_OPS.add("stat")

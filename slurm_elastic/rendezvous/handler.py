@@ -1,38 +1,27 @@
-"""``SlurmRendezvousHandler``: torch's rendezvous state machine, fixed where it is wrong.
+"""``SlurmRendezvousHandler``: torch's public ``RendezvousHandler`` on our own state.
 
-Reused from ``torch.distributed.elastic.rendezvous.dynamic_rendezvous`` (2.13): the join,
-exit and close operations (min/max nodes, last call, join timeout, wait list, hot
-spares in the redundancy list, rank assignment) and the compare-and-set state holder.
+The protocol is torch's dynamic rendezvous (min/max nodes, last call, join timeout,
+waiting list, spares above ``max_nodes``, close), owned here: the state is our JSON
+document (:mod:`.state`), the rules one pure module (:mod:`.decisions`), run by
+:class:`~.executor.OpLoop` over the filesystem compare-and-set (:mod:`.backend`).
+What it adds to torch's:
 
-Changed, and why:
-
-* **State** in :class:`~slurm_elastic.rendezvous.backend.FileRendezvousBackend` on the
-  shared filesystem: no store host to lose.
+* **State** on the shared filesystem: no store host to lose; a node reads the header
+  and its own row, not the whole state.
 * **Heartbeats** are counters watched around a ring
   (:mod:`~slurm_elastic.rendezvous.heartbeat`) by a thread that runs for the handler's
-  whole life (also while waiting as a spare); torch's wall-clock keep-alive is switched
-  off (its interval is set to years and its ``_sanitize`` does nothing). Dead nodes are
-  evicted by a compare-and-set written by their watcher.
+  whole life (also while waiting as a spare). Dead nodes are evicted by a
+  compare-and-set written by their watcher.
 * **Prompt restart**: :meth:`num_nodes_waiting` is also positive when a participant of
-  this node's round is gone (left or evicted), when the run was closed, or when this
-  node itself was evicted, so torch's agent restarts its workers at once.
-* **Graceful leave**: :meth:`leave` removes this node from the state without closing the
-  run (called by our agent on preemption, and at interpreter exit if neither
-  :meth:`shutdown` nor :meth:`leave` ran, e.g. torchrun exiting on SIGTERM).
-* **Polling**: torch waits a fixed 1 s between polls; here a waiting node polls the
-  cheap ``head`` pointer with a backoff from ``poll_interval`` to 0.25 s and re-reads the
-  state as soon as its generation changes; a node that lost a compare-and-set backs off
-  a random few milliseconds (fewer collisions when many nodes start at once).
+  this node's round is gone (left or evicted), when the round moved on, when this node
+  itself was evicted, or when the run was closed, so torch's agent restarts at once.
+* **Graceful leave**: :meth:`leave` removes this node without closing the run (called by
+  our agent on preemption, and at interpreter exit if neither :meth:`shutdown` nor
+  :meth:`leave` ran, e.g. torchrun exiting on SIGTERM).
 * **Members seated first** (in place, inside :meth:`SlurmRendezvousHandler.keeping_seat`):
-  a member re-joining from its completed round reopens it
-  as the next round with all its participants seated (one compare-and-set,
-  :class:`~slurm_elastic.rendezvous.executor.ReseatExitOp`) instead of torch's
-  exit-then-join, so newcomers get only the remaining seats and a node whose workers
-  still train is never left out by them; a waiting node that finds the round complete
-  and full waits as a spare (redundancy list) instead of making members re-form, and
-  until it moves there the members do not count it as waiting. A member that restarts
-  (exit-then-join) and finds itself seated in the next round by another member takes
-  that seat instead of leaving it.
+  a member re-joining from its completed round reopens it as the next round with all
+  its participants seated (:data:`~.decisions.Act.RESEAT`), so newcomers get only the
+  seats left and a node whose workers still train is never left out by them.
 * **Workers' store**: owned per round by
   :class:`~slurm_elastic.rendezvous.worker_store.WorkerStoreOwner`.
 * **Requeue safety**: the epoch is chosen by
@@ -43,60 +32,74 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
+import itertools
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any
+from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
+    RendezvousHandler,
     RendezvousInfo,
 )
 
 from slurm_elastic import events
-from slurm_elastic.rendezvous.backend import BACKEND_NAME
-from slurm_elastic.rendezvous.executor import (
-    CounterStateHolder,
-    LeaveOp,
-    PollingOpExecutor,
-    ReformJoinOp,
-    ReseatExitOp,
+from slurm_elastic.rendezvous import torch_compat  # noqa: F401  (refuses an old torch)
+from slurm_elastic.rendezvous.backend import BACKEND_NAME, FileRendezvousBackend
+from slurm_elastic.rendezvous.decisions import (
+    Readable,
+    Rules,
+    decide_close,
+    decide_exit,
+    decide_join,
+    decide_leave,
+    evict,
 )
+from slurm_elastic.rendezvous.executor import OpLoop, Timing
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
-from slurm_elastic.rendezvous.join_intents import (
-    IntentBoard,
-)
+from slurm_elastic.rendezvous.join_intents import IntentBoard
 from slurm_elastic.rendezvous.options import RendezvousOptions
 from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
-from slurm_elastic.rendezvous.torch_compat import (
-    DynamicRendezvousHandler,
-    RendezvousSettings,
-    RendezvousTimeout,
-    _NodeDesc,
-    _remove_participant_epilogue,
-    _RendezvousState,
-)
+from slurm_elastic.rendezvous.state import PARTICIPANTS, WAITING, Node, encode_state, ring_after
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
 
-__all__ = ["SlurmRendezvousHandler"]
+__all__ = ["Seat", "SlurmRendezvousHandler", "new_node"]
 
 log = logging.getLogger(__name__)
 
-# Torch's keep-alive is replaced by counter heartbeats: an interval this long means
-# torch never decides a keep-alive is due.
-_NEVER = timedelta(days=3650)
+_LOCAL_IDS = itertools.count()
+_LOCAL_IDS_LOCK = threading.Lock()
 
 
-def _members_digest(participants: dict[_NodeDesc, int]) -> str:
-    """A digest of a round's members and ranks (rank 0 publishes it with the store)."""
-    text = ",".join(f"{n!r}={r}" for n, r in sorted(participants.items(), key=lambda x: x[1]))
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
+def new_node(addr: str) -> Node:
+    """A node descriptor unique on this host: address, pid, per-process counter."""
+    with _LOCAL_IDS_LOCK:
+        local_id = next(_LOCAL_IDS)
+    return Node(addr, os.getpid(), local_id)
+
+
+@dataclass(frozen=True)
+class Seat:
+    """This node's place in a completed round.
+
+    Attributes:
+        round: the round number (the same on every node).
+        rank: this node's rank; world: the round's size.
+        rank0: the node of rank 0 (it hosts the round's store).
+        formed: the generation that completed the round (with ``round``, it names the
+            round's membership: nodes that agree on both agree on members and ranks).
+    """
+
+    round: int
+    rank: int
+    world: int
+    rank0: Node
+    formed: int
 
 
 def _leave_at_exit(ref: weakref.ReferenceType[SlurmRendezvousHandler]) -> None:
@@ -105,7 +108,7 @@ def _leave_at_exit(ref: weakref.ReferenceType[SlurmRendezvousHandler]) -> None:
         handler._leave_if_active()
 
 
-class SlurmRendezvousHandler(DynamicRendezvousHandler):
+class SlurmRendezvousHandler(RendezvousHandler):
     """A rendezvous handler on a shared directory that owns the workers' store.
 
     Build it with :func:`slurm_elastic.rendezvous.create_handler`.
@@ -131,45 +134,27 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         local_addr: str,
         options: RendezvousOptions,
     ) -> None:
-        node = DynamicRendezvousHandler._node_desc_generator.generate(local_addr)
-        timeout = RendezvousTimeout(
-            join=timedelta(seconds=options.join_timeout_s),
-            last_call=timedelta(seconds=options.last_call_timeout_s),
-            close=timedelta(seconds=options.close_timeout_s),
-            heartbeat=timedelta(seconds=max(options.close_timeout_s, 1.0)),
-        )
-        settings = RendezvousSettings(
-            run_id, min_nodes, max_nodes, timeout, keep_alive_interval=_NEVER,
-            keep_alive_max_attempt=3,
-        )  # fmt: skip
-        backend = epoch.backend()
-        holder = CounterStateHolder(
-            backend,
-            settings,
-            cache_duration=min(0.5, options.heartbeat_interval_s),  # type: ignore[arg-type]
-        )
-        super().__init__(node, settings, BACKEND_NAME, dist.HashStore(), holder)
-        self._holder = holder
-        self._op_executor = self._executor = PollingOpExecutor(
-            node,
-            holder,
-            settings,
-            backend,
-            options.poll_interval_s,
-            min(options.reform_grace_s, options.last_call_timeout_s),
-            IntentBoard(epoch.intents),
+        self._run_id = run_id
+        self._node = new_node(local_addr)
+        self._rules = Rules(min_nodes, max_nodes)
+        self._timing = Timing(
+            poll_s=options.poll_interval_s,
+            last_call_s=options.last_call_timeout_s,
+            grace_s=options.reform_grace_s,
             # A pending node merges the intents itself once the claimant of the merge
             # could have been declared dead (it may have died after claiming).
             takeover_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
         )
-        self._reform_grace = timedelta(
-            seconds=min(options.reform_grace_s, options.last_call_timeout_s)
-        )
+        self._loop = OpLoop(
+            self._node, self._rules, epoch.backend(), self._timing, IntentBoard(epoch.intents),
+            run_id,
+        )  # fmt: skip
+        self._lock = threading.Lock()
         self._epoch = epoch
         self._incarnation = incarnation
         self._options = options
         self._local_addr = local_addr
-        self._node_name = repr(node)
+        self._node_name = self._node.name
         self._monitor = HeartbeatMonitor(
             epoch.hb,
             self._node_name,
@@ -183,14 +168,12 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._round: int | None = None
-        self._round_members: frozenset[_NodeDesc] | None = None
+        self._world: int | None = None  # the size of the round last returned
+        self._seat: Seat | None = None
         self._seated_round: int | None = None  # the round join_round last completed
         self._keep_seat = False  # inside keeping_seat(): in place, the workers still train
         self._active = False
         atexit.register(_leave_at_exit, weakref.ref(self))
-
-    def _record(self, message: str, node_state: Any = None, rank: int | None = None) -> None:
-        log.debug("%s", message)
 
     # -- identity --------------------------------------------------------------------
 
@@ -209,18 +192,23 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         """The parsed rendezvous options."""
         return self._options
 
+    def get_backend(self) -> str:
+        """See base class: ``slurm``."""
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._run_id
+
     @property
     def use_agent_store(self) -> bool:
         """See base class: workers are clients of the round's store, always."""
         return True
 
-    # -- torch's keep-alive is replaced ------------------------------------------------
+    def _deadline(self, seconds: float) -> float:
+        return time.monotonic() + seconds
 
-    def _start_heartbeats(self) -> None:
-        pass
-
-    def _stop_heartbeats(self) -> None:
-        pass
+    # -- heartbeats -------------------------------------------------------------------
 
     def _ensure_monitor(self) -> None:
         self._active = True
@@ -244,68 +232,55 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             thread.join(timeout=max(2.0, 2 * self._options.heartbeat_interval_s))
 
     def _run_monitor(self, stop: threading.Event) -> None:
-        holder = CounterStateHolder(self._epoch.backend(), self._settings, cache_duration=0)
+        backend = self._epoch.backend()  # its own descriptors: not shared across threads
         # Observe twice per beat interval: verdicts lag a stopped counter by at most
         # half an interval (the window itself is unchanged).
         tick = self._options.heartbeat_interval_s / 2
         ticks = 0
-        while not stop.is_set():
-            started = time.monotonic()
-            if ticks % 2 == 0:
-                self._monitor.beat()
-            ticks += 1
-            try:
-                holder.sync()
-                state = holder.state
-                members = {
-                    repr(n): n
-                    for n in (*state.participants, *state.wait_list, *state.redundancy_list)
-                }
-                if self._node_name in members:
-                    dead = self._monitor.observe(list(members))
-                    if dead:
-                        self._evict(holder, [members[name] for name in dead])
-            except Exception as exc:  # the watcher must outlive transient FS errors
-                log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
-            stop.wait(max(0.0, tick - (time.monotonic() - started)))
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                if ticks % 2 == 0:
+                    self._monitor.beat()
+                ticks += 1
+                try:
+                    _, view = backend.view()
+                    if view.where(self._node) is not None:
+                        nodes: dict[str, Node] = {}
+                        dead = self._monitor.observe_ring(
+                            _named(ring_after(view, self._node), nodes)
+                        )
+                        if dead:
+                            self._evict(backend, [nodes[name] for name in dead])
+                except Exception as exc:  # the watcher must outlive transient FS errors
+                    log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
+                stop.wait(max(0.0, tick - (time.monotonic() - started)))
+        finally:
+            backend.close()
 
-    def _evict(self, holder: CounterStateHolder, dead: list[_NodeDesc]) -> None:
+    def _evict(self, backend: FileRendezvousBackend, dead: list[Node]) -> None:
+        board = IntentBoard(self._epoch.intents)
+        for node in dead:  # a dead node's intent must not bring it back
+            board.withdraw(IntentBoard.name(node))
         for _ in range(64):
-            state: _RendezvousState = holder.state
-            changed = removed_participant = False
-            for node in dead:
-                if node in state.participants:
-                    del state.participants[node]
-                    changed = removed_participant = True
-                if node in state.wait_list:
-                    state.wait_list.discard(node)
-                    changed = True
-                if node in state.redundancy_list:
-                    state.redundancy_list.discard(node)
-                    changed = True
-                state.last_heartbeats.pop(node, None)
-            board = IntentBoard(self._epoch.intents)
-            for node in dead:  # a dead node's intent must not bring it back
-                board.withdraw(IntentBoard.name(node))
-            if not changed:
+            gen, state = backend.read_full()
+            if not evict(state, dead, self._rules):
                 self._forget_heartbeats(dead)
                 return
-            if removed_participant:
-                _remove_participant_epilogue(state, self._settings)
-            holder.mark_dirty()
-            if holder.sync():
-                names = ", ".join(repr(n) for n in dead)
+            result = backend.set_state(encode_state(state), gen)
+            if result is not None and result[2]:
+                names = ", ".join(n.name for n in dead)
                 log.info(
                     "rendezvous %r: evicted %s (no heartbeat progress for %.1f s)",
-                    self._settings.run_id,
+                    self._run_id,
                     names,
                     self._monitor.window_s,
                 )
-                events.emit(events.RendezvousEvicted(nodes=[repr(n) for n in dead]))
+                events.emit(events.RendezvousEvicted(nodes=[n.name for n in dead]))
                 self._forget_heartbeats(dead)
                 return
 
-    def _forget_heartbeats(self, dead: list[_NodeDesc]) -> None:
+    def _forget_heartbeats(self, dead: list[Node]) -> None:
         """Remove the heartbeat files of evicted nodes (``hb/`` stays bounded).
 
         A node evicted while alive (a long stall) writes its file again on its next
@@ -313,45 +288,47 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         """
         for node in dead:
             try:
-                self._epoch.hb.remove(node_file_name(repr(node)))
+                self._epoch.hb.remove(node_file_name(node.name))
             except OSError as exc:
                 log.debug("could not remove the heartbeat file of %r: %s", node, exc)
 
     # -- the rendezvous -------------------------------------------------------------------
 
-    def _round_is_current(self, round_: int, rank0: _NodeDesc) -> bool:
-        with self._heartbeat_lock:
-            self._holder.invalidate()
-            self._holder.sync()
-            state = self._holder.state
-        return (
-            state.round == round_
-            and state.complete
-            and not state.closed
-            and self._this_node in state.participants
-            and rank0 in state.participants
-        )
+    def _round_is_current(self, round_: int, rank0: Node) -> bool:
+        with self._lock:
+            _, view = self._loop.backend.view()
+            return (
+                view.round == round_
+                and view.complete
+                and not view.closed
+                and view.where(self._node) == PARTICIPANTS
+                and view.where(rank0) == PARTICIPANTS
+            )
 
-    def join_round(self, deadline: float) -> tuple[int, dict[_NodeDesc, int]]:
+    def join_round(self, deadline: float) -> Seat | None:
         """Run the join protocol only (exit the last round, join the next one).
 
         No heartbeat thread and no workers' store: :meth:`next_rendezvous` adds those.
         Used directly by ``bench/rendezvous.py`` to simulate many agents in threads.
 
         Returns:
-            ``(round, {node: rank})`` of the completed round.
+            This node's seat in the completed round, or None when the round lost a
+            member before this node read it (join again).
         """
-        with self._heartbeat_lock:
-            exit_op = ReseatExitOp(self._seated_round, reseat=self._keep_seat)
-            self._op_executor.run(exit_op, deadline)
-            self._op_executor.run(
-                ReformJoinOp(self._reform_grace, self._executor.elapsed_at_decision),
+        node, rules = self._node, self._rules
+        with self._lock:
+            seated, reseat = self._seated_round, self._keep_seat
+            self._loop.run(
+                lambda v, c: decide_exit(v, node, c, seated_round=seated, reseat=reseat),
                 deadline,
-                self._get_deadline,
             )
-            state = self._holder.state
-            self._seated_round = state.round
-            return state.round, dict(state.participants)
+            view = self._loop.run(
+                lambda v, c: decide_join(v, node, rules, c),
+                deadline,
+                renew=lambda: self._deadline(self._options.join_timeout_s),
+            )
+            self._seated_round = view.round
+            return _seat(view, node)
 
     @contextmanager
     def keeping_seat(self) -> Iterator[None]:
@@ -376,56 +353,51 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
             RendezvousTimeoutError: no round formed within ``join_timeout``.
         """
         started = time.monotonic()
-        self._round_members = None
+        self._round = self._world = self._seat = None
         self._ensure_monitor()
-        deadline = self._get_deadline(self._settings.timeout.join)
+        deadline = self._deadline(self._options.join_timeout_s)
         while True:
-            round_, participants = self.join_round(deadline)
-            if sorted(participants.values()) != list(range(len(participants))):
+            seat = self.join_round(deadline)
+            if seat is None:
                 # A member was evicted (or left) between the round's completion and
-                # this node's read: the ranks have a hole. The round is broken for
-                # everyone; join the next one instead of returning a bad rank.
-                log.info("rendezvous %r: round %d lost a member; joining again",
-                         self._settings.run_id, round_)  # fmt: skip
+                # this node's read. The round is broken for everyone: join the next one.
+                log.info("rendezvous %r: the round lost a member; joining again", self._run_id)
                 continue
-            rank, world = participants[self._this_node], len(participants)
-            rank0 = next(n for n, r in participants.items() if r == 0)
             try:
                 store, info = self._worker_store.setup(
-                    round_,
-                    rank,
-                    repr(rank0),
-                    functools.partial(self._round_is_current, round_, rank0),
+                    seat.round,
+                    seat.rank,
+                    seat.rank0.name,
+                    functools.partial(self._round_is_current, seat.round, seat.rank0),
                     deadline,
-                    members=_members_digest(participants),
+                    members=f"{seat.round}.{seat.formed}",
                 )
             except RoundLostError as exc:
-                log.info("rendezvous %r: %s; joining again", self._settings.run_id, exc)
+                log.info("rendezvous %r: %s; joining again", self._run_id, exc)
                 continue
             break
-        self._round = round_
-        self._round_members = frozenset(participants)
+        self._round, self._world, self._seat = seat.round, seat.world, seat
         log.info(
             "rendezvous %r complete: round %d, rank %d of %d, store %s:%d (%.2f s)",
-            self._settings.run_id,
-            round_,
-            rank,
-            world,
+            self._run_id,
+            seat.round,
+            seat.rank,
+            seat.world,
             info.master_addr,
             info.master_port,
             time.monotonic() - started,
         )
         events.emit(
             events.RendezvousComplete(
-                round=round_,
+                round=seat.round,
                 epoch=self._epoch.number,
-                rank=rank,
-                world_size=world,
+                rank=seat.rank,
+                world_size=seat.world,
                 node=self._node_name,
                 store=f"{info.master_addr}:{info.master_port}",
             )
         )
-        return RendezvousInfo(store, rank, world, info)
+        return RendezvousInfo(store, seat.rank, seat.world, info)
 
     def num_nodes_waiting(self) -> int:
         """See base class; also > 0 when this node's round lost a member.
@@ -436,15 +408,14 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         when the run was closed: each means the workers must restart (a closed run
         then makes ``next_rendezvous`` raise, ending this agent promptly).
         """
-        with self._heartbeat_lock:
-            self._holder.sync()
-            state = self._holder.state
-            waiting = len(state.wait_list)
-            if state.complete and len(state.participants) >= self._settings.max_nodes:
-                # No seat for them: they move to the spares on their next poll (TO_SPARES)
-                # and only a member's leaving (below) opens one.
+        with self._lock:
+            _, view = self._loop.backend.view()
+            waiting = view.count(WAITING)
+            if view.complete and view.count(PARTICIPANTS) >= self._rules.max_nodes:
+                # No seat for them: they move to the spares on their next poll and only
+                # a member's leaving (below) opens one.
                 waiting = 0
-            if self._lost(state):
+            if self._lost(view):
                 waiting = max(waiting, 1)
         return waiting
 
@@ -453,22 +424,44 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
 
         See :class:`~slurm_elastic.rendezvous.protocols.RoundWatching`.
         """
-        with self._heartbeat_lock:
-            self._holder.sync()
-            return self._lost(self._holder.state)
+        with self._lock:
+            _, view = self._loop.backend.view()
+            return self._lost(view)
 
-    def _lost(self, state: _RendezvousState) -> bool:
-        members = self._round_members
-        return members is not None and (
-            state.closed
-            or state.round != self._round
-            or not members.issubset(state.participants.keys())
+    def _lost(self, view: Readable) -> bool:
+        if self._round is None or self._world is None:
+            return False
+        # In a complete round participants are only ever removed (a newcomer waits), so
+        # the round is whole while it is the same round with as many participants.
+        return (
+            view.closed
+            or view.round != self._round
+            or not view.complete
+            or view.count(PARTICIPANTS) != self._world
         )
+
+    @property
+    def seat(self) -> Seat | None:
+        """This node's seat in the round the last ``next_rendezvous()`` returned."""
+        return self._seat
 
     @property
     def current_round(self) -> int | None:
         """The round the last ``next_rendezvous()`` returned (see ``RoundReporting``)."""
         return self._round
+
+    def is_closed(self) -> bool:
+        """See base class: whether the run is closed."""
+        with self._lock:
+            _, view = self._loop.backend.view()
+            return view.closed
+
+    def set_closed(self) -> None:
+        """See base class: close the run for every node."""
+        with self._lock:
+            self._loop.run(
+                lambda v, c: decide_close(v, c), self._deadline(self._options.close_timeout_s)
+            )
 
     def leave(self) -> None:
         """Remove this node from the rendezvous at once, without closing the run.
@@ -483,13 +476,16 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._active = False
         self._stop_monitor()
         self._worker_store.close()
-        with self._heartbeat_lock:
-            self._holder.invalidate()
-            self._op_executor.run(LeaveOp(), self._get_deadline(self._settings.timeout.close))
+        node = self._node
+        with self._lock:
+            self._loop.run(
+                lambda v, c: decide_leave(v, node, c),
+                self._deadline(self._options.close_timeout_s),
+            )
         self._monitor.remove()
-        self._round_members = None
+        self._round = self._world = self._seat = None
         self._seated_round = None
-        log.info("rendezvous %r: node %s left", self._settings.run_id, self._node_name)
+        log.info("rendezvous %r: node %s left", self._run_id, self._node_name)
         events.emit(events.RendezvousLeft(node=self._node_name))
 
     def _leave_if_active(self) -> None:
@@ -506,17 +502,29 @@ class SlurmRendezvousHandler(DynamicRendezvousHandler):
         self._stop_monitor()
         self._worker_store.close()
         try:
-            with self._heartbeat_lock:
-                self._holder.invalidate()
-                self._close()
+            self.set_closed()
             ok = True
         except RendezvousError as exc:
             log.warning(
-                "rendezvous %r: could not close: %s: %s",
-                self._settings.run_id,
-                type(exc).__name__,
-                exc,
+                "rendezvous %r: could not close: %s: %s", self._run_id, type(exc).__name__, exc
             )
             ok = False
         self._monitor.remove()
         return ok
+
+
+def _named(nodes: Iterator[Node], seen: dict[str, Node]) -> Iterator[str]:
+    """The names of ``nodes``, recording each in ``seen`` (lazily)."""
+    for node in nodes:
+        seen[node.name] = node
+        yield node.name
+
+
+def _seat(view: Readable, node: Node) -> Seat | None:
+    """This node's seat in the complete round ``view``, or None when the round broke."""
+    if view.world is None or view.formed is None or view.count(PARTICIPANTS) != view.world:
+        return None
+    rank = view.index(node, PARTICIPANTS)
+    if rank is None:
+        return None
+    return Seat(view.round, rank, view.world, view.node_at(PARTICIPANTS, 0), view.formed)

@@ -30,7 +30,7 @@ import logging
 import re
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,23 +128,33 @@ class HeartbeatMonitor:
 
         Args:
             members: every member of the rendezvous (any order; this node included
-                or not).
+                or not). The ring is their sorted order.
 
         Returns:
             The watched nodes whose counter stood still for the whole window.
         """
         ring = sorted(set(members) | {self.node})
-        if len(ring) == 1:
-            self._seen.clear()
-            return []
         start = ring.index(self.node)
+        return self.observe_ring(ring[start + 1 :] + ring[:start])
+
+    def observe_ring(self, successors: Iterable[str]) -> list[str]:
+        """Watch the nodes after this one in ring order; return the dead ones.
+
+        Args:
+            successors: the other members in ring order starting after this node
+                (consumed lazily: only as far as needed, usually ``successors`` items).
+
+        Returns:
+            The watched nodes whose counter stood still for the whole window.
+        """
         now = self._clock()
         suspect_after = self._interval * 1.5
         seen: dict[str, _Observation] = {}
         dead: list[str] = []
         healthy = 0
-        for offset in range(1, len(ring)):
-            node = ring[(start + offset) % len(ring)]
+        for node in successors:
+            if node == self.node or node in seen:
+                continue
             value = self._reader(node)
             previous = self._seen.get(node)
             if previous is not None and now - previous.seen_at > 1.5 * self._interval:

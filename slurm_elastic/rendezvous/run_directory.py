@@ -49,8 +49,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from slurm_elastic.errors import RendezvousSetupError
-from slurm_elastic.rendezvous.backend import FileRendezvousBackend, decode_state, init_state_dir
+from slurm_elastic.rendezvous.backend import FileRendezvousBackend, init_state_dir
 from slurm_elastic.rendezvous.filesystem import SafeDir
+from slurm_elastic.rendezvous.state import decode_state
 
 __all__ = ["Epoch", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_component"]
 

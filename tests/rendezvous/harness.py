@@ -74,14 +74,13 @@ def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) 
                 si = info.bootstrap_store_info
                 info.store.set(f"agent{info.rank}", "x")  # the agent control-plane store
                 total = _all_reduce(si.master_addr, si.master_port, info.rank, info.world_size, 0)
-                state = handler._holder.state
                 conn.send(
                     (
                         "ok",
                         {
                             "rank": info.rank,
                             "world": info.world_size,
-                            "round": state.round,
+                            "round": handler.current_round,
                             "store": f"{si.master_addr}:{si.master_port}",
                             "sum": total,
                             "took": took,
@@ -104,27 +103,23 @@ def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) 
             elif cmd == "plant_waiter":
                 # Test seam: put a node named ``arg`` on the wait list as one CAS, as a
                 # newcomer left over by a merge is before it moves itself to the spares.
-                from slurm_elastic.rendezvous.torch_compat import _NodeDesc
+                from slurm_elastic.rendezvous.state import Node, encode_state
 
                 assert handler is not None
-                with handler._heartbeat_lock:
-                    for _ in range(100):
-                        handler._holder.invalidate()
-                        handler._holder.sync()
-                        handler._holder.state.wait_list.add(_NodeDesc(arg, 1, 0))
-                        handler._holder.mark_dirty()
-                        if handler._holder.sync():
-                            break
-                    else:
-                        raise RuntimeError("could not plant a waiter in 100 tries")
+                backend = handler.epoch.backend()
+                for _ in range(100):
+                    gen, st = backend.read_full()
+                    st.waiting.add(Node(arg, 1, 0))
+                    won = backend.set_state(encode_state(st), gen)
+                    if won is not None and won[2]:
+                        break
+                else:
+                    raise RuntimeError("could not plant a waiter in 100 tries")
                 conn.send(("ok", None))
             elif cmd == "state":  # the shared state as read now: round, complete, members
                 assert handler is not None
-                with handler._heartbeat_lock:
-                    handler._holder.invalidate()
-                    handler._holder.sync()
-                    st = handler._holder.state
-                    conn.send(("ok", (st.round, st.complete, len(st.participants))))
+                _, st = handler.epoch.backend().read_full()
+                conn.send(("ok", (st.round, st.complete, len(st.participants))))
             elif cmd == "waiting":
                 conn.send(("ok", handler.num_nodes_waiting()))  # type: ignore[union-attr]
             elif cmd == "leave":

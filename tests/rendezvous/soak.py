@@ -101,9 +101,11 @@ def _agent(root: str, run_id: str, log_path: str, stop_at: float, seed: int, n_m
         while time.monotonic() < stop_at:
             info = h.next_rendezvous()
             si = info.bootstrap_store_info
-            emit(ev="round", round=h._round, rank=info.rank, world=info.world_size,
+            seat = h.seat
+            formed = None if seat is None else h.epoch.backend().read_state(seat.formed)
+            emit(ev="round", round=h.current_round, rank=info.rank, world=info.world_size,
                  store=f"{si.master_addr}:{si.master_port}",
-                 members=sorted(repr(n) for n in h._round_members or ()))  # fmt: skip
+                 members=None if formed is None else sorted(n.name for n in formed.participants))  # fmt: skip
             if rng.random() < 0.25:
                 h.leave()
                 emit(ev="left")
@@ -273,9 +275,14 @@ def check(logs: Path) -> dict[str, Any]:
     for rnd, reports in rounds.items():
         worlds = {r["world"] for r in reports}
         stores = {r["store"] for r in reports}
-        members = {tuple(r["members"]) for r in reports}
+        members = {tuple(r["members"]) for r in reports if r["members"] is not None}
         ranks = [r["rank"] for r in reports]
-        if len(worlds) != 1 or len(stores) != 1 or len(members) != 1:
+        if (
+            len(worlds) != 1
+            or len(stores) != 1
+            or len(members) > 1
+            or any(len(m) not in worlds for m in members)
+        ):
             problems.append(f"round {rnd}: members disagree ({worlds}, {stores})")
         if len(set(ranks)) != len(ranks) or not all(0 <= k < min(worlds) for k in ranks):
             problems.append(f"round {rnd}: ranks {sorted(ranks)} of world {worlds}")

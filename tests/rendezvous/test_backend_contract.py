@@ -20,10 +20,10 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from slurm_elastic.rendezvous import filesystem as fs
 from slurm_elastic.rendezvous.backend import SEGMENT, FileRendezvousBackend, encode_record
+from slurm_elastic.rendezvous.state import State, decode_state, encode_state
 from tests.helpers import wait_for
 
 _CTX = mp.get_context("fork")
@@ -42,13 +42,11 @@ def _torch_file_store(path: Path) -> C10dRendezvousBackend:
 
 
 def _state(round_: int) -> bytes:
-    s = _RendezvousState()
-    s.round = round_
-    return pickle.dumps(s)
+    return encode_state(State(round=round_))
 
 
 def _round(blob: bytes) -> int:
-    return int(pickle.loads(blob).round)
+    return decode_state(blob).round
 
 
 def _increment_worker(factory: BackendFactory, path: Path, times: int) -> None:
@@ -180,8 +178,10 @@ def test_a_planted_pickle_is_refused_not_executed(
     (tmp_path / "s" / "seg.0" / f"state.{token + 1}").write_bytes(
         encode_record(token + 1, pickle.dumps(_Evil()))
     )
-    with pytest.raises(RendezvousStateError, match="not allowed"):
+    with pytest.raises(RendezvousStateError, match="malformed"):
         FileRendezvousBackend(tmp_path / "s").get_state()
+    with pytest.raises(RendezvousStateError, match="malformed"):
+        FileRendezvousBackend(tmp_path / "s").view()  # the lazy reader refuses it too
     assert not (tmp_path / "pwned").exists()
 
 

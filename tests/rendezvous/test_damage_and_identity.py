@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import threading
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +14,16 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters, Rende
 from slurm_elastic.rendezvous import create_handler
 from slurm_elastic.rendezvous.backend import FileRendezvousBackend
 from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory, RunIdInUseError
-from slurm_elastic.rendezvous.torch_compat import _NodeDesc, _RendezvousState
+from slurm_elastic.rendezvous.state import Node, State, decode_state, encode_state
 from tests.helpers import wait_for
 
 
 def _state(round_: int) -> bytes:
-    s = _RendezvousState()
-    s.round = round_
-    return pickle.dumps(s)
+    return encode_state(State(round=round_))
 
 
 def _round(blob: bytes) -> int:
-    return int(pickle.loads(blob).round)
+    return decode_state(blob).round
 
 
 def _written(tmp_path: Path, n: int) -> tuple[FileRendezvousBackend, Any]:
@@ -180,15 +176,15 @@ def test_a_last_call_written_by_a_node_with_a_fast_clock_does_not_stall_the_othe
 
     def joined() -> Any:
         cur = backend.get_state()
-        return cur if cur and pickle.loads(cur[0]).participants else None
+        return cur if cur and decode_state(cur[0]).participants else None
 
     blob, token = wait_for(joined, 30, "the node to join")
-    state = pickle.loads(blob)
-    skewed = _NodeDesc("zz-skewed-node", 4242, 0)  # sorts after 127.0.0.1: rank 1
-    state.participants[skewed] = 0
-    state.last_heartbeats[skewed] = datetime.now(timezone.utc) + timedelta(hours=1)
-    state.deadline = datetime.now(timezone.utc) + timedelta(hours=1, seconds=0.5)
-    _, _, ok = backend.set_state(pickle.dumps(state), token)
+    state = decode_state(blob)
+    skewed = Node("zz-skewed-node", 4242, 0)  # sorts after 127.0.0.1: rank 1
+    state.participants.add(skewed)
+    state.calls += 1
+    state.last_call = state.calls  # an id, no time: no clock of another node to trust
+    _, _, ok = backend.set_state(encode_state(state), token)
     assert ok
     thread.join(45)  # join_timeout is 60 s: the old behaviour waits an hour and fails
     try:

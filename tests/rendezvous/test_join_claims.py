@@ -35,8 +35,8 @@ def _form_in_threads(root: Path, n: int) -> tuple[list[Any], dict[str, int]]:
     def agent(i: int) -> None:
         start.wait()
         try:
-            _, parts = handlers[i].join_round(time.monotonic() + 60)
-            ranks[i] = parts[handlers[i]._this_node]
+            seat = handlers[i].join_round(time.monotonic() + 60)
+            ranks[i] = None if seat is None else seat.rank
         except Exception as exc:
             ranks[i] = repr(exc)
 

@@ -4,28 +4,27 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousParameters
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from slurm_elastic.errors import ConfigError, RendezvousSetupError
 from slurm_elastic.rendezvous import RendezvousOptions, create_handler
 from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory, safe_component
+from slurm_elastic.rendezvous.state import State, decode_state, encode_state
 
 
 def _close(run: RunDirectory, number: int) -> None:
     backend = run.epoch(number).backend()
     current = backend.get_state()
-    state = pickle.loads(current[0]) if current else _RendezvousState()
+    state = decode_state(current[0]) if current else State()
     state.closed = True
-    backend.set_state(pickle.dumps(state), current[1] if current else None)
+    backend.set_state(encode_state(state), current[1] if current else None)
 
 
 def _touch_state(run: RunDirectory, number: int) -> None:
-    run.epoch(number).backend().set_state(pickle.dumps(_RendezvousState()), None)
+    run.epoch(number).backend().set_state(encode_state(State()), None)
 
 
 def test_group_writable_root_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -6,15 +6,14 @@ against its c10d and etcd backends; it is not shipped in the wheel, so its cases
 restated here one for one, same names and assertions).
 
 One documented difference is adapted (``docs/rendezvous.md``, Security): our backend
-only stores payloads that are a pickled ``_RendezvousState`` (it unpickles them with a
-restricted unpickler, and a payload that is not a state is a malformed record). torch's
+only stores payloads that are our JSON state (:mod:`slurm_elastic.rendezvous.state`; it
+checks them strictly, and a payload that is not a state is a malformed record). torch's
 cases use opaque byte strings (``b"x"``, ``b"y"``, ``b"z"``); here each is mapped to a
-distinct pickled state by :func:`_payload`. Nothing else is changed.
+distinct encoded state by :func:`_payload`. Nothing else is changed.
 """
 
 from __future__ import annotations
 
-import pickle
 import tempfile
 import unittest
 from pathlib import Path
@@ -24,14 +23,12 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from slurm_elastic.rendezvous.backend import FileRendezvousBackend
-from slurm_elastic.rendezvous.torch_compat import _RendezvousState
+from slurm_elastic.rendezvous.state import State, encode_state
 
 
 def _payload(tag: bytes) -> bytes:
     """The documented adaptation: an opaque tag becomes a distinct pickled state."""
-    state = _RendezvousState()
-    state.round = int.from_bytes(tag, "big")
-    return pickle.dumps(state)
+    return encode_state(State(round=int.from_bytes(tag, "big")))
 
 
 class RendezvousBackendCases:
