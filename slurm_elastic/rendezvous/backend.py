@@ -459,6 +459,7 @@ class FileRendezvousBackend(RendezvousBackend):
         def read_at(offset: int, n: int) -> bytes:
             FS_OPS.add("read")
             data = os.pread(fd, n, _PREFIX + offset)
+            FS_OPS.add_bytes(len(data))
             if len(data) != n:
                 raise MalformedRecordError(f"short read at {offset} of {n} bytes")
             return data
@@ -466,6 +467,7 @@ class FileRendezvousBackend(RendezvousBackend):
         try:
             FS_OPS.add("read")
             head = os.pread(fd, _PREFIX, 0)
+            FS_OPS.add_bytes(len(head))
             if not head.startswith(_MAGIC) or len(head) != _PREFIX:
                 raise MalformedRecordError("bad magic")
             number, length, _crc = _HEADER.unpack_from(head, len(_MAGIC))

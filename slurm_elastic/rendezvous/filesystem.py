@@ -56,11 +56,22 @@ class FsOps:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        self._bytes = 0
 
     def add(self, kind: str, n: int = 1) -> None:
         """Count ``n`` operations of ``kind``."""
         with self._lock:
             self._counts[kind] += n
+
+    def add_bytes(self, n: int) -> None:
+        """Count ``n`` bytes read from files (state, heartbeats, intents, pointers)."""
+        with self._lock:
+            self._bytes += n
+
+    def bytes_read(self) -> int:
+        """Return the bytes read so far."""
+        with self._lock:
+            return self._bytes
 
     def snapshot(self) -> dict[str, int]:
         """Return a copy of the counts (kind -> number)."""
@@ -76,6 +87,7 @@ class FsOps:
         """Forget all counts."""
         with self._lock:
             self._counts.clear()
+            self._bytes = 0
 
 
 #: Metadata operations done by this process's rendezvous code.
@@ -407,6 +419,7 @@ class SafeDir:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
+                FS_OPS.add_bytes(len(chunk))
                 if size > limit:
                     raise OSError(errno.EFBIG, f"{self.path / name} is larger than {limit} bytes")
             return b"".join(chunks)
