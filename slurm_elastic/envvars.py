@@ -32,11 +32,14 @@ __all__ = [
     "KEY_FILE_ENV",
     "LOG_LEVEL_ENV",
     "NOTICE_FILE_ENV",
+    "NOTICE_HELD_ENV",
     "PREEMPT_SIGNAL_ENV",
     "PREFIX",
     "REQUEUE_COUNT_ENV",
     "ROUND_ENV",
     "RUN_ID_ENV",
+    "TEST_PAUSE_AT_ENV",
+    "TEST_PAUSE_DIR_ENV",
     "TEST_PREFIX",
     "VARIABLES",
     "EnvVar",
@@ -55,6 +58,7 @@ CHECKPOINT_DIR_ENV = f"{PREFIX}CHECKPOINT_DIR"
 EVENTS_DIR_ENV = f"{PREFIX}EVENTS_DIR"
 REQUEUE_COUNT_ENV = f"{PREFIX}REQUEUE_COUNT"
 NOTICE_FILE_ENV = f"{PREFIX}NOTICE_FILE"
+NOTICE_HELD_ENV = f"{PREFIX}NOTICE_HELD"
 HEARTBEAT_FILE_ENV = f"{PREFIX}HEARTBEAT_FILE"
 PREEMPT_SIGNAL_ENV = f"{PREFIX}PREEMPT_SIGNAL"
 LOG_LEVEL_ENV = f"{PREFIX}LOG_LEVEL"
@@ -66,6 +70,10 @@ KEY_FILE_ENV = f"{PREFIX}KEY_FILE"
 CLUSTER_PREFIX = f"{PREFIX}CLUSTER"
 #: Reserved for test harnesses; never a config key.
 TEST_PREFIX = f"{PREFIX}TEST_"
+#: Test seam (``slurm_elastic._startup_seam``, the job scripts): pause start-up at this phase...
+TEST_PAUSE_AT_ENV = f"{TEST_PREFIX}PAUSE_AT"
+#: ... and wait there for ``<phase>.go`` in this directory.
+TEST_PAUSE_DIR_ENV = f"{TEST_PREFIX}PAUSE_DIR"
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "the node-local file whose existence means 'preempted: checkpoint and exit'",
         "the agent, for its workers",
         "`slurm_elastic.notice` in the workers",
+    ),
+    EnvVar(
+        NOTICE_HELD_ENV,
+        "the job script runs again with the notice blocked: 1 if a notice came before "
+        "(raised again, pending); unset before `setup`",
+        "the `elastic_array` job script, for itself",
+        "the `elastic_array` job script",
     ),
     EnvVar(
         HEARTBEAT_FILE_ENV,

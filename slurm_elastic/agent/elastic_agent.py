@@ -61,7 +61,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
-from slurm_elastic import events, notice
+from slurm_elastic import _startup_seam, events, notice
 from slurm_elastic.agent.round_store import RoundBoundStore, RoundBrokenError
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.live import control
@@ -147,6 +147,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         while True:
             try:
                 super()._rendezvous(worker_group)
+                _startup_seam.pause("rendezvous")  # tests only: a notice in a formed round
                 return
             except RoundBrokenError as exc:
                 log.warning(
@@ -200,7 +201,9 @@ class SlurmElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The round number lets workers tell a later assignment from a stale one.
         os.environ[control.ROUND_ENV] = str(_round_of(worker_group.spec.rdzv_handler))
-        return super()._start_workers(worker_group)
+        started = super()._start_workers(worker_group)
+        _startup_seam.pause("workers_start")  # tests only: a notice as the workers start
+        return started
 
     # -- the monitor loop's extension point -------------------------------------------------
 

@@ -126,8 +126,10 @@ def _check_std(flag: str, value: str) -> str:
 
 def _cmd_agent(ns: argparse.Namespace) -> int:
     # Before torch is imported (seconds): a notice meanwhile is held, not fatal.
+    from slurm_elastic import _startup_seam
     from slurm_elastic.signals import hold_early_notices
 
+    _startup_seam.pause("agent_start")  # tests only: a notice before any handler exists
     hold_early_notices()
     from slurm_elastic.agent import run_agent
     from slurm_elastic.agent.launch import rendezvous_parameters
