@@ -19,7 +19,7 @@ blocked in C++ with the GIL released):
 
 1. the agent wrote an assignment for a newer round *after its round lost a member*
    (:attr:`~slurm_elastic.live.control.Assignment.after_loss`: a member left or was
-   evicted), and
+   evicted; a later round for a newcomer does not undo that), and
 2. the main thread has not passed a step boundary for longer than
    ``max(min_stall_s, stall_factor x the longest of the recent steps)``.
 
@@ -150,6 +150,7 @@ class StallGuard:
         self._watch: control.AssignmentWatch | None = None
         self._sockets: frozenset[int] = frozenset()
         self._round = -1
+        self._loss: control.Assignment | None = None
         self._last_beat = 0.0
         self._steps: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
         self._stop = threading.Event()
@@ -164,7 +165,10 @@ class StallGuard:
         with self._lock:
             self._round = round_
             self._sockets = sockets
-            self._watch = control.AssignmentWatch(self._directory, self._local_rank, round_)
+            self._watch = control.AssignmentWatch(
+                self._directory, self._local_rank, round_, min_interval_s=0.0
+            )
+            self._loss = None
             self._last_beat = self._clock()
             self._steps.clear()
         if self._thread is None:
@@ -216,7 +220,9 @@ class StallGuard:
             if watch is None:
                 return False
             newer = watch.poll()
-            if newer is None or not newer.after_loss:
+            if newer is not None and newer.after_loss and self._loss is None:
+                self._loss = newer  # stays: a newcomer's round after it changes nothing
+            if self._loss is None or newer is None:
                 return False
             stalled = self._clock() - self._last_beat
             threshold = self.threshold_s()
