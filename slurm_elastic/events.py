@@ -78,6 +78,7 @@ __all__ = [
     "CheckpointSaved",
     "CheckpointSkipped",
     "Event",
+    "LiveCollectiveAborted",
     "RendezvousComplete",
     "RendezvousEvicted",
     "RendezvousLeft",
@@ -495,6 +496,19 @@ class LivePeerFailure(Event):
     kind: ClassVar[str] = "live.peer_failure"
     step: int = 0
     error: str = ""
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class LiveCollectiveAborted(Event):
+    """A worker ended its blocked collective: no step for ``stalled_s`` and its round
+    lost a member (a silent loss); it then rolls back and re-forms in ``new_round``."""
+
+    kind: ClassVar[str] = "live.collective_aborted"
+    round: int = 0
+    new_round: int = 0
+    stalled_s: float = 0.0
+    connections: int = 0
 
 
 @_register

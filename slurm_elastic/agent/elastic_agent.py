@@ -326,6 +326,9 @@ class SlurmElasticAgent(LocalElasticAgent):
         seat = (
             handler.keeping_seat() if isinstance(handler, SeatKeeping) else contextlib.nullcontext()
         )
+        # A member left or was evicted (not only a newcomer waiting): workers blocked in
+        # a collective on a silently dead member may abort it (live/abort.py).
+        after_loss = isinstance(handler, RoundWatching) and handler.round_lost()
         with seat:  # newcomers must not take every seat while these workers train
             self._rendezvous(worker_group)  # the workers keep training meanwhile
         if control.registered_workers(self._control_dir) != pids:
@@ -356,6 +359,7 @@ class SlurmElasticAgent(LocalElasticAgent):
                     group_world_size=worker_group.group_world_size or 0,
                     master_addr=str(worker_group.master_addr),
                     master_port=int(worker_group.master_port or 0),
+                    after_loss=after_loss,
                 ),
             )
         worker_group.state = WorkerState.HEALTHY

@@ -94,6 +94,9 @@ class Assignment:
         group_world_size: the number of nodes.
         master_addr: host of the round's store.
         master_port: port of the round's store.
+        after_loss: the agent formed this round because its previous round lost a
+            member (left or evicted), not for a newcomer alone. A worker stalled in a
+            collective may then abort it (:mod:`slurm_elastic.live.abort`).
     """
 
     round: int
@@ -104,6 +107,7 @@ class Assignment:
     group_world_size: int
     master_addr: str
     master_port: int
+    after_loss: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Assignment:
@@ -112,7 +116,7 @@ class Assignment:
         Every number must be an ``int`` (not a bool, a float or a string) in its range:
         ``0 <= rank < world_size <= 2**20``, local and group ranks likewise, the round in
         ``[0, 2**31)``, the port in ``[0, 65535]``; the address a string of at most 255
-        characters.
+        characters; ``after_loss``, if present, a bool.
 
         Raises:
             ValueError: a field is missing, has the wrong type or is out of range.
@@ -127,6 +131,7 @@ class Assignment:
                 group_world_size=_int_field(data, "group_world_size", 0, _MAX_RANKS),
                 master_addr=_str_field(data, "master_addr", _MAX_ADDR_CHARS),
                 master_port=_int_field(data, "master_port", 0, _MAX_PORT),
+                after_loss=_bool_field(data, "after_loss", default=False),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed assignment {_short(dict(data))}: {exc}") from exc
@@ -171,6 +176,13 @@ def _int_field(data: Mapping[str, Any], name: str, low: int, high: int) -> int:
         raise ValueError(f"{name}={_short(value)} is not an integer")
     if not low <= value <= high:
         raise ValueError(f"{name}={_short(value)} outside [{low}, {high}]")
+    return value
+
+
+def _bool_field(data: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    value = data.get(name, default)
+    if type(value) is not bool:
+        raise ValueError(f"{name}={_short(value)} is not true or false")
     return value
 
 

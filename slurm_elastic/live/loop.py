@@ -135,6 +135,14 @@ class ElasticLoop:
             thread while the next step's forward and backward run (the optimizer's
             step waits for it); only for step functions that change parameters in
             ``optimizer.step()`` alone.
+        stall_abort_s: in place with gloo, end a collective that has waited at least
+            this long (and 3x the longest recent step) once the agent assigns a round
+            formed after a member was lost, e.g. a node that froze without resetting
+            its sockets (:mod:`~slurm_elastic.live.abort`); the survivors then roll
+            back to their commit and re-form in place. ``None``: wait for ``timeout_s``.
+
+    Raises:
+        ValueError: ``commit_every`` < 1 or ``stall_abort_s`` not positive.
     """
 
     def __init__(
@@ -159,9 +167,12 @@ class ElasticLoop:
         extra: dict[str, Any] | None = None,
         save_each_epoch: bool = False,
         async_commit: bool = False,
+        stall_abort_s: float | None = 1.0,
     ) -> None:
         if commit_every < 1:
             raise ValueError(f"commit_every={commit_every} must be >= 1")
+        if stall_abort_s is not None and not stall_abort_s > 0:
+            raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
         self.state = ElasticState(model, optimizer, scheduler, step=0, epoch=0, offset=0)
         self.sampler = ElasticSampler(
             dataset_size,
@@ -206,6 +217,7 @@ class ElasticLoop:
             timeout=self.timeout,
             reform_timeout_s=reform_timeout_s,
             in_place=self.in_place,
+            stall_abort_s=stall_abort_s,
         )
         self._order: tuple[int, list[int]] | None = None
         self._leave_seen_at: float | None = None
@@ -367,7 +379,7 @@ class ElasticLoop:
         """Flush checkpoints and leave the process group."""
         if self.checkpoint is not None:
             self.checkpoint.flush()
-        self.world.teardown()
+        self.world.close()
 
     def _done(self, steps: int | None, epochs: int | None) -> bool:
         return (steps is not None and self.step >= steps) or (
@@ -386,6 +398,7 @@ class ElasticLoop:
     def _one_step(
         self, train_step: Callable[[Step], Any], on_epoch_end: Callable[[int], Any] | None
     ) -> str | None:
+        self.world.beat()  # the previous step and its boundary are done
         indices, start, stop = self._slice()
         world = self.world_size
         self.world.dirty = True

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
 from slurm_elastic.live import auth, control
+from slurm_elastic.live.abort import StallGuard, connected_sockets
 from slurm_elastic.live.state import ElasticState
 
 __all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
@@ -89,6 +90,10 @@ class LiveWorld:
         reform_timeout_s: after a failed collective, how long to wait for a new round.
         in_place: whether the agent's control channel is there (else ``env://`` and the
             restart path).
+        stall_abort_s: in place with gloo, a collective blocked this long (at least;
+            see :class:`~slurm_elastic.live.abort.StallGuard`) is aborted once the agent
+            assigns a round formed after a member was lost; ``None``: never (the
+            collective then waits for ``timeout``).
 
     Attributes:
         round: the rendezvous round of the current group.
@@ -104,6 +109,7 @@ class LiveWorld:
         timeout: timedelta,
         reform_timeout_s: float,
         in_place: bool,
+        stall_abort_s: float | None = 1.0,
     ) -> None:
         self.state = state
         self.backend = backend
@@ -117,6 +123,15 @@ class LiveWorld:
         self._watch: control.AssignmentWatch | None = None
         self._pending: _Pending | None = None
         self._failed_rounds: set[int] = set()
+        # gloo cannot abort a collective that waits on a silently dead peer; the guard
+        # ends it once the agent assigns a round without that peer (live/abort.py).
+        self._guard: StallGuard | None = None
+        if in_place and backend == "gloo" and stall_abort_s is not None:
+            self._guard = StallGuard(
+                os.environ[control.CONTROL_DIR_ENV],
+                int(os.environ.get("LOCAL_RANK", "0")),
+                min_stall_s=stall_abort_s,
+            )
         # The run key seals the round's store (only the run's processes take a seat);
         # the agent always gives it. Without it (a worker started by hand) values are
         # plain, as in torch.
@@ -243,6 +258,7 @@ class LiveWorld:
         return store
 
     def _join(self, a: control.Assignment, store: Any) -> None:
+        before = connected_sockets() if self._guard is not None else frozenset()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg", store),
@@ -250,6 +266,8 @@ class LiveWorld:
             world_size=a.world_size,
             timeout=self.timeout,
         )
+        if self._guard is not None:  # the group's own connections: gloo's pairs
+            self._guard.arm(a.round, connected_sockets() - before)
         self.round = a.round
         if self._watch is not None:
             self._watch.current_round = a.round
@@ -259,11 +277,24 @@ class LiveWorld:
         """Leave the current group in the safe order (idempotent)."""
         # A gloo group freed from DDP's reducer can deadlock: hold the group, drop the
         # wrapper, destroy, then drop the group.
+        if self._guard is not None:
+            self._guard.disarm()  # before the group goes: its sockets are never reused
         group = dist.group.WORLD if dist.is_initialized() else None
         self._ddp = None
         if group is not None:
             dist.destroy_process_group()
         del group
+
+    def beat(self) -> None:
+        """A step boundary passed on the current group (for the stall guard)."""
+        if self._guard is not None:
+            self._guard.beat()
+
+    def close(self) -> None:
+        """Leave the group and stop the stall guard's thread."""
+        self.teardown()
+        if self._guard is not None:
+            self._guard.close()
 
     def wrap(self) -> None:
         """Wrap the model in a new DDP for the current group (broadcasts from rank 0)."""

@@ -96,6 +96,16 @@ class LiveRun:
                 os.kill(pid, signal.SIGKILL)
         return pids
 
+    def freeze_node(self) -> set[int]:
+        """SIGSTOP the agent and its workers (a silent loss: no socket is reset); return
+        the worker pids. The ``nodes`` fixture's SIGKILL ends them (stopped or not)."""
+        pids = self.worker_pids()
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return pids
+
 
 def ledger(tmp: Path) -> list[dict[str, Any]]:
     path = tmp / "ledger.jsonl"

@@ -1,0 +1,250 @@
+"""Ending a collective that waits on a node the rendezvous already evicted.
+
+A node that dies *silently* (frozen: SIGSTOP, a hung kernel, a network partition) resets
+no socket: the survivors' gloo collective waits for its full timeout (``timeout_s``,
+300 s by default), although the rendezvous evicts the node after its liveness window and
+the survivors' agents form the next round within a second. gloo has no abort (its
+backend's ``abort``/``shutdown`` are no-ops; a ``Work.wait(timeout)`` raises while the
+operation keeps running; see the project notes on torch 2.13).
+
+What ends it: shutting down this process's own TCP connections of the blocked group.
+gloo's transport then reads end-of-stream on each pair, exactly as when a peer is
+SIGKILLed, and the collective raises ``Connection closed by peer`` at once; the loop's
+existing failure path rolls back to the last in-memory commit and re-forms in place
+(the processes, the model and the optimizer stay). The peers that are still alive see
+their connections to this process closed too, so one survivor's abort frees the others.
+
+:class:`StallGuard` decides when, on a daemon thread of each worker (the main thread is
+blocked in C++ with the GIL released):
+
+1. the agent wrote an assignment for a newer round *after its round lost a member*
+   (:attr:`~slurm_elastic.live.control.Assignment.after_loss`: a member left or was
+   evicted; a later round for a newcomer does not undo that), and
+2. the main thread has not passed a step boundary for longer than
+   ``max(min_stall_s, stall_factor x the longest of the recent steps)``.
+
+Both are needed: a graceful join or leave also brings a newer round, but the survivors
+keep stepping through it (2 is false); a long step during a join is not stalled on a
+lost member (1 is false). Only connections created while the group was formed
+(:func:`connected_sockets` before and after ``init_process_group``) are shut down, and
+only while the group is armed: :meth:`StallGuard.disarm` (called before the group is torn
+down) waits for an abort in progress, so a later group's connections are never touched.
+
+gloo only: an NCCL collective runs on the GPU and is not ended by closing sockets (its
+watchdog aborts the communicator at ``timeout_s``); the guard stays off for NCCL.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from slurm_elastic import events
+from slurm_elastic.live import control
+
+__all__ = ["StallGuard", "connected_sockets", "shut_down_sockets"]
+
+log = logging.getLogger(__name__)
+
+# Step durations remembered for the stall threshold.
+_RECENT_STEPS = 32
+
+
+def _socket_fds() -> dict[int, int]:
+    """``{socket inode: fd}`` of this process's sockets (from ``/proc/self/fd``)."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            found[int(target[8:-1])] = int(name)
+    return found
+
+
+def connected_sockets() -> frozenset[int]:
+    """The inodes of this process's sockets (compare before and after a group forms)."""
+    return frozenset(_socket_fds())
+
+
+def shut_down_sockets(inodes: frozenset[int]) -> int:
+    """Shut down (both directions) the still open, connected TCP sockets among ``inodes``.
+
+    The file descriptors stay open (their owner closes them); a listening or unconnected
+    socket is left alone. Returns how many were shut down.
+    """
+    done = 0
+    for inode, fd in _socket_fds().items():
+        if inode not in inodes:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            sock.getpeername()  # ENOTCONN for a listener: not a connection
+            sock.shutdown(socket.SHUT_RDWR)
+            done += 1
+        except OSError:
+            continue
+        finally:
+            sock.close()  # the duplicate only; shutdown() acted on the shared socket
+    return done
+
+
+class StallGuard:
+    """Aborts this worker's blocked gloo collective once a lost member's round is assigned.
+
+    Args:
+        directory: the node's control directory.
+        local_rank: this worker's local rank (names its assignment file).
+        min_stall_s: never abort a step that has run for less than this.
+        stall_factor: nor one shorter than this many times the longest recent step.
+        poll_s: how often the thread looks.
+        clock: the monotonic clock.
+
+    The main thread calls :meth:`arm` when a group is formed, :meth:`beat` at every
+    step boundary, and :meth:`disarm` before the group is torn down.
+
+    Raises:
+        ValueError: a bound that is not positive.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        local_rank: int,
+        *,
+        min_stall_s: float = 1.0,
+        stall_factor: float = 3.0,
+        poll_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (
+            ("min_stall_s", min_stall_s),
+            ("stall_factor", stall_factor),
+            ("poll_s", poll_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"StallGuard {name}={value!r}: must be > 0")
+        self._directory = Path(directory)
+        self._local_rank = local_rank
+        self.min_stall_s = min_stall_s
+        self.stall_factor = stall_factor
+        self._poll_s = poll_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._watch: control.AssignmentWatch | None = None
+        self._sockets: frozenset[int] = frozenset()
+        self._round = -1
+        self._loss: control.Assignment | None = None
+        self._last_beat = 0.0
+        self._steps: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: how many collectives this guard aborted
+        self.aborts = 0
+
+    # -- main thread ------------------------------------------------------------------------
+
+    def arm(self, round_: int, sockets: frozenset[int]) -> None:
+        """Watch the group of ``round_`` whose connections are ``sockets``."""
+        with self._lock:
+            self._round = round_
+            self._sockets = sockets
+            self._watch = control.AssignmentWatch(
+                self._directory, self._local_rank, round_, min_interval_s=0.0
+            )
+            self._loss = None
+            self._last_beat = self._clock()
+            self._steps.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="slurm-elastic-stall-guard", daemon=True
+            )
+            self._thread.start()
+
+    def beat(self) -> None:
+        """A step boundary passed (the group is alive)."""
+        now = self._clock()
+        with self._lock:
+            if self._watch is not None:
+                self._steps.append(now - self._last_beat)
+            self._last_beat = now
+
+    def disarm(self) -> None:
+        """Stop watching (before the group is torn down); waits for an abort under way."""
+        with self._lock:
+            self._watch = None
+            self._sockets = frozenset()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self.disarm()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self._poll_s + 1.0)
+            self._thread = None
+
+    def threshold_s(self) -> float:
+        """How long a step must have run to count as stalled."""
+        longest = max(self._steps, default=0.0)
+        return max(self.min_stall_s, self.stall_factor * longest)
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.check()
+            except Exception as exc:  # the guard must never take the worker down
+                log.warning("stall guard check failed: %s", exc)
+
+    def check(self) -> bool:
+        """One look (the thread's body); return whether it aborted the collective."""
+        with self._lock:
+            watch = self._watch
+            if watch is None:
+                return False
+            newer = watch.poll()
+            if newer is not None and newer.after_loss and self._loss is None:
+                self._loss = newer  # stays: a newcomer's round after it changes nothing
+            if self._loss is None or newer is None:
+                return False
+            stalled = self._clock() - self._last_beat
+            threshold = self.threshold_s()
+            if stalled <= threshold:
+                return False
+            closed = shut_down_sockets(self._sockets)
+            old_round = self._round
+            self._watch = None  # once per group
+            self._sockets = frozenset()
+            self.aborts += 1
+        log.warning(
+            "no step for %.1f s (threshold %.1f s) and round %d lost a member (round %d "
+            "assigned): aborting the blocked collective (%d connections shut down)",
+            stalled,
+            threshold,
+            old_round,
+            newer.round,
+            closed,
+        )
+        events.emit(
+            events.LiveCollectiveAborted(
+                round=old_round, new_round=newer.round, stalled_s=stalled, connections=closed
+            )
+        )
+        return True

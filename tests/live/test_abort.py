@@ -1,0 +1,134 @@
+"""The stall guard (``slurm_elastic.live.abort``): when it shuts a blocked group's
+connections down, and that it touches nothing else. Real sockets and control files; the
+guard's clock is injected (its thread is parked with a long poll interval, and
+``check()`` is called directly)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_elastic.live import ElasticLoop, control
+from slurm_elastic.live.abort import StallGuard, connected_sockets, shut_down_sockets
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def connection() -> Iterator[tuple[socket.socket, socket.socket, frozenset[int]]]:
+    """A connected TCP pair; the inodes that appeared on this side while connecting."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    before = connected_sockets()
+    client = socket.create_connection(listener.getsockname())
+    mine = connected_sockets() - before
+    server, _ = listener.accept()
+    server.settimeout(5)
+    yield client, server, mine
+    for s in (client, server, listener):
+        s.close()
+
+
+def assignment(round_: int, *, after_loss: bool) -> control.Assignment:
+    return control.Assignment(round_, 0, 2, 0, 0, 1, "127.0.0.1", 1234, after_loss=after_loss)
+
+
+def test_shutting_down_the_group_sockets_ends_the_peers_read(connection) -> None:
+    client, server, mine = connection
+    assert len(mine) == 1
+    assert shut_down_sockets(mine) == 1
+    assert server.recv(1) == b""  # end of stream, as after a peer's death
+    with pytest.raises(OSError):
+        client.send(b"x")
+
+
+def test_sockets_outside_the_set_and_listeners_are_left_alone(connection) -> None:
+    client, _server, _ = connection
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        everything_but_client = connected_sockets() - {_inode(client)}
+        shut_down_sockets(everything_but_client)  # server side and a listener included
+        client.sendall(b"ok")  # the client's own socket still works
+        listener.settimeout(0.01)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # still listening (no error)
+    finally:
+        listener.close()
+
+
+def _inode(sock: socket.socket) -> int:
+    return int(os.readlink(f"/proc/self/fd/{sock.fileno()}")[8:-1])
+
+
+def test_guard_aborts_only_a_stall_after_a_lost_member(tmp_path: Path, connection) -> None:
+    _client, server, mine = connection
+    clock = Clock()
+    guard = StallGuard(tmp_path, 0, min_stall_s=1.0, stall_factor=3.0, poll_s=3600, clock=clock)
+    try:
+        guard.arm(5, mine)
+        for _ in range(3):  # steps of 0.5 s: threshold max(1, 3 x 0.5) = 1.5 s
+            clock.now += 0.5
+            guard.beat()
+        assert guard.threshold_s() == pytest.approx(1.5)
+        clock.now += 10.0
+        assert not guard.check()  # stalled, but no newer round
+        control.write_assignment(tmp_path, assignment(6, after_loss=False))
+        assert not guard.check()  # a newer round for a newcomer only: a long step, no loss
+        guard.arm(6, mine)
+        for _ in range(3):
+            clock.now += 0.5
+            guard.beat()
+        clock.now += 1.4
+        control.write_assignment(tmp_path, assignment(7, after_loss=True))
+        assert not guard.check()  # a member was lost but this worker still steps
+        control.write_assignment(tmp_path, assignment(8, after_loss=False))
+        clock.now += 0.2
+        assert guard.check()  # stalled 1.6 s > 1.5 s, a loss since round 6: abort
+        assert server.recv(1) == b""
+        assert not guard.check() and guard.aborts == 1  # once per group
+    finally:
+        guard.close()
+
+
+def test_a_disarmed_guard_touches_nothing(tmp_path: Path, connection) -> None:
+    client, server, mine = connection
+    clock = Clock()
+    guard = StallGuard(tmp_path, 0, poll_s=3600, clock=clock)
+    try:
+        guard.arm(1, mine)
+        guard.disarm()  # the group is being torn down
+        control.write_assignment(tmp_path, assignment(2, after_loss=True))
+        clock.now += 60
+        assert not guard.check()
+        client.sendall(b"ok")
+        assert server.recv(2) == b"ok"
+    finally:
+        guard.close()
+
+
+def test_after_loss_is_optional_and_must_be_a_bool() -> None:
+    data = assignment(3, after_loss=True).as_dict()
+    assert control.Assignment.from_dict(data).after_loss is True
+    del data["after_loss"]
+    assert control.Assignment.from_dict(data).after_loss is False  # older agents
+    with pytest.raises(ValueError, match="after_loss='yes' is not true or false"):
+        control.Assignment.from_dict({**data, "after_loss": "yes"})
+
+
+def test_bad_stall_bounds_get_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"min_stall_s=0: must be > 0"):
+        StallGuard(tmp_path, 0, min_stall_s=0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"stall_abort_s=-1.0 must be > 0 seconds, or None"):
+        ElasticLoop(model, opt, dataset_size=8, global_batch_size=4, stall_abort_s=-1.0)
