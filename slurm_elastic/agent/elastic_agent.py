@@ -7,9 +7,11 @@ is; this class plugs into its intended extension points:
   1. **the hang watchdog**: with ``hang_timeout_s`` set, a group whose progress reports
      stop changing for that long (measured on this node's monotonic clock, see
      :mod:`~slurm_elastic.agent.watchdog`) is reported failed;
-  2. **a departing peer is not a failure**: with no restarts left, a failed group
-     waits up to the eviction window for the rendezvous to report a membership change;
-     if one comes, the restart is not charged to ``max_restarts``;
+  2. **a departing peer is not a failure**: a failed group waits up to the eviction
+     window for the rendezvous to report a membership change; if one comes, the group
+     is reported healthy and torch's own membership path restarts it (not charged to
+     ``max_restarts``: no budget arithmetic here, torch's accounting is pinned by
+     ``tests/agent/test_torch_agent_contract.py``); else torch charges the failure;
   3. **graceful leave in place**: after a preemption notice (:meth:`request_live_leave`)
      the agent leaves the rendezvous while its workers keep training; they exit at the
      switch of the survivors, then the agent stops through torch's signal path.
@@ -26,9 +28,7 @@ is; this class plugs into its intended extension points:
   2. **notice before a restart**: a membership restart of workers that cannot re-form
      in place first gives them the preemption notice and waits for them to save and
      exit (``shutdown_timeout_s``), so a scale-up loses no step;
-  3. **refund**: a charged restart after which the world size changed was caused by a
-     peer leaving: it is given back to the budget;
-  4. **events** for restarts, re-formations, hangs and the end.
+  3. **events** for restarts, re-formations, hangs and the end.
 
 * ``_assign_worker_ranks`` reads the round's store through
   :class:`~slurm_elastic.agent.round_store.RoundBoundStore`: a member that dies after
@@ -97,8 +97,8 @@ class SlurmElasticAgent(LocalElasticAgent):
     """A per-node elastic agent.
 
     Args:
-        membership_grace_s: with no restarts left, how long a failed group waits for the
-            rendezvous to report a membership change before giving up.
+        membership_grace_s: how long a failed group waits for the rendezvous to report a
+            membership change before its failure is charged to ``max_restarts``.
         progress: the watch over the workers' heartbeat file.
         hang_timeout_s: fail the group after this long without progress; ``None`` = off.
         before_round: called before each rendezvous round that (re)starts the local
@@ -224,13 +224,17 @@ class SlurmElasticAgent(LocalElasticAgent):
             result = RunResult(state=WorkerState.FAILED)
             state = result.state
         if state == WorkerState.FAILED:
-            self._charged = True
-            if self._remaining_restarts <= 0:
-                if self._membership_changes_within(self._membership_grace_s):
-                    log.info("worker group failed while a peer left: new round (not charged)")
-                    self._remaining_restarts += 1  # torch charges it right back
-                    self._charged = False
-                else:
+            if self._membership_changes_within(self._membership_grace_s):
+                # A peer left, died or joined: the survivors' collectives failed through
+                # no fault of theirs. Reported as healthy, torch's own membership path
+                # (num_nodes_waiting() > 0) restarts the group without charging
+                # max_restarts; the restart is a full one (these workers exited).
+                log.info("worker group failed while the membership changed: new round "
+                         "(not charged to max_restarts)")  # fmt: skip
+                result = RunResult(state=WorkerState.HEALTHY)
+            else:
+                self._charged = True
+                if self._remaining_restarts <= 0:
                     events.emit(events.AgentGaveUp(max_restarts=worker_group.spec.max_restarts))
         elif state == WorkerState.SUCCEEDED:
             log.info("local workers finished; waiting for the other agents")
@@ -307,17 +311,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         )
         if membership:
             self._notice_before_restart(worker_group)
-        before = worker_group.group_world_size
         super()._restart_workers(worker_group)
-        if charged and worker_group.group_world_size != before:
-            # The failure came with a membership change (a peer left or joined): the
-            # survivors' collectives fail through no fault of their own. Refund it.
-            self._remaining_restarts += 1
-            log.info(
-                "world changed %s -> %s nodes: restart not charged to max_restarts",
-                before,
-                worker_group.group_world_size,
-            )
 
     def _reform_in_place(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()

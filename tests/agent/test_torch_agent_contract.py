@@ -123,7 +123,7 @@ def agent(max_restarts: int, states: list[WorkerState], waiting: list[int]) -> A
 
 def test_the_restart_budget_and_the_attributes_we_read_are_torchs() -> None:
     a = agent(3, [], [])
-    assert a._remaining_restarts == 3  # SlurmElasticAgent refunds and reads it
+    assert a._remaining_restarts == 3  # SlurmElasticAgent reads it (events), never writes
     assert isinstance(a._worker_group, WorkerGroup)  # read for the handler and workers
     assert a._pcontext is None  # before the first start; pids()/wait()/stdouts after
     from torch.distributed.elastic.multiprocessing.api import PContext
@@ -134,8 +134,8 @@ def test_the_restart_budget_and_the_attributes_we_read_are_torchs() -> None:
 
 
 def test_torch_charges_one_restart_before_calling_restart_workers_on_a_failure() -> None:
-    """SlurmElasticAgent refunds a failure caused by a membership change with one +1,
-    relying on exactly this accounting."""
+    """A FAILED result is charged by torch (SlurmElasticAgent returns FAILED only for a
+    failure it charges)."""
     a = agent(2, [WorkerState.FAILED, WorkerState.FAILED, WorkerState.SUCCEEDED], [])
     result = a._invoke_run()
     assert result.state == WorkerState.SUCCEEDED
@@ -143,13 +143,18 @@ def test_torch_charges_one_restart_before_calling_restart_workers_on_a_failure()
 
 
 def test_torch_stops_without_restarting_when_the_budget_is_spent() -> None:
-    """The refund must come before torch sees a zero budget (in _monitor_workers)."""
+    """With the budget spent, a FAILED result stops the group."""
     a = agent(0, [WorkerState.FAILED], [])
     assert a._invoke_run().state == WorkerState.FAILED
     assert a.calls == [("stop", 0)]
 
 
 def test_a_membership_change_is_a_restart_that_costs_no_budget() -> None:
+    """SlurmElasticAgent reports a failure caused by a membership change as HEALTHY with
+    num_nodes_waiting() > 0: torch restarts it without charging, even at zero budget."""
+    a0 = agent(0, [WorkerState.HEALTHY, WorkerState.SUCCEEDED], [1])
+    assert a0._invoke_run().state == WorkerState.SUCCEEDED
+    assert a0.calls == [("restart", 0), ("exit_barrier", 0)]
     a = agent(1, [WorkerState.HEALTHY, WorkerState.SUCCEEDED], [2])
     assert a._invoke_run().state == WorkerState.SUCCEEDED
     assert a.calls == [("restart", 1), ("exit_barrier", 1)]
