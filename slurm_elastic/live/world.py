@@ -126,9 +126,10 @@ class LiveWorld:
         # gloo cannot abort a collective that waits on a silently dead peer; the guard
         # ends it once the agent assigns a round without that peer (live/abort.py).
         self._guard: StallGuard | None = None
-        if in_place and backend == "gloo" and stall_abort_s is not None:
+        control_dir = os.environ.get(control.CONTROL_DIR_ENV)
+        if in_place and backend == "gloo" and stall_abort_s is not None and control_dir:
             self._guard = StallGuard(
-                os.environ[control.CONTROL_DIR_ENV],
+                control_dir,
                 int(os.environ.get("LOCAL_RANK", "0")),
                 min_stall_s=stall_abort_s,
             )
