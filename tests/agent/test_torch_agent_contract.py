@@ -162,3 +162,29 @@ def test_a_membership_change_is_a_restart_that_costs_no_budget() -> None:
 
 def test_our_agent_keeps_torchs_loop() -> None:
     assert SlurmElasticAgent._invoke_run is SimpleElasticAgent._invoke_run
+
+
+def test_the_round_of_torchs_own_handlers_is_read_where_we_expect_it() -> None:
+    """``_dynamic_handler_round`` reads torch's c10d/etcd handler state (private, the one
+    read of its kind, in the agent): pinned here on a real c10d handler."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from slurm_elastic.agent.elastic_agent import _dynamic_handler_round
+
+    store = dist.HashStore()
+    params = RendezvousParameters("c10d", "localhost:0", "contract", 1, 1, join_timeout="30")
+    handler = create_handler(store, C10dRendezvousBackend(store, "contract"), params)
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert _dynamic_handler_round(handler) == 0
+        handler.set_closed()
+        assert isinstance(_dynamic_handler_round(handler), int)
+    finally:
+        handler.shutdown()
+    assert _dynamic_handler_round(object()) is None  # anything else: no round
