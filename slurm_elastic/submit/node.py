@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from slurm_elastic import notice
+from slurm_elastic import signals
 from slurm_elastic.errors import AgentError
 from slurm_elastic.exit_codes import describe, is_run_ok
 
@@ -31,19 +31,21 @@ __all__ = ["run_node", "run_spec"]
 log = logging.getLogger(__name__)
 
 
-def _reset_submitit_signals(preempt_signal: str) -> None:
-    """Undo submitit's job-side handlers before the agent installs its own.
+def _reset_submitit_signals() -> None:
+    """Undo submitit's job-side handlers before anything slow runs; hold notices.
 
     submitit answers SIGTERM with "bypass" and the preempt signal with its own
     checkpoint-and-requeue of the whole job; our agent requeues only its own task and
-    needs SIGTERM to stop its workers. Until ``run_agent`` installs its handlers, a notice
-    only sets the flag of :mod:`slurm_elastic.notice`.
+    needs SIGTERM to stop its workers. From here until ``run_agent`` installs its
+    handlers, a notice (USR1/USR2) is held (:func:`~slurm_elastic.signals.hold_early_notices`)
+    and handed to the agent, which acts on it as soon as it can (it was only recorded in
+    a flag nobody read before).
     """
     if os.environ.get("SUBMITIT_EXECUTOR") is None:
         return
     for sig in (signal.SIGTERM, signal.SIGCONT):
         signal.signal(sig, signal.SIG_DFL)
-    notice.install_preemption_handler(preempt_signal)
+    signals.hold_early_notices()
 
 
 def run_node(
@@ -71,8 +73,8 @@ def run_node(
     from slurm_elastic.agent import run_agent
     from slurm_elastic.config import load_config
 
+    _reset_submitit_signals()  # first: submitit's own handlers must not act on a notice
     config = load_config(None, environ=os.environ, overrides=overrides)
-    _reset_submitit_signals(config.preempt_signal)
     code = int(run_agent(config, entrypoint, list(args), module=module))
     if not is_run_ok(code):
         raise AgentError(
