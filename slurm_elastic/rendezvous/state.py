@@ -58,6 +58,7 @@ PARTICIPANTS, WAITING, SPARES = 0, 1, 2
 SECTIONS = (PARTICIPANTS, WAITING, SPARES)
 
 _VERSION = 1
+_WINDOW = 2048  # bytes of rows a binary search reads at once at its end
 _MIN_ROW = 64
 _MAX_ROW = 512
 _ADDR = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,255}")
@@ -328,6 +329,8 @@ class StateView:
         if size != self._h.size():
             raise MalformedRecordError(f"state of {size} bytes, its header says {self._h.size()}")
         self._rows: dict[tuple[int, int], Node] = {}
+        self._chunks: list[tuple[int, int, bytes]] = []  # (section, first row, raw rows)
+        self._where: dict[Node, int | None] = {}
         self.round = self._h.round
         self.complete = self._h.complete
         self.closed = self._h.closed
@@ -347,14 +350,35 @@ class StateView:
         if node is None:
             if not 0 <= index < self._h.counts[section]:
                 raise IndexError(f"row {index} of section {section}")
-            raw = self._read_at(self._h.offset(section, index), self._h.row)
+            row = self._h.row
+            raw = next(
+                (
+                    chunk[(index - first) * row : (index - first + 1) * row]
+                    for sec, first, chunk in self._chunks
+                    if sec == section and first <= index < first + len(chunk) // row
+                ),
+                None,
+            )
+            if raw is None:
+                raw = self._read_at(self._h.offset(section, index), row)
             node = self._rows[key] = _node(raw, f"row {index} of section {section}")
         return node
 
     def index(self, node: Node, section: int) -> int | None:
-        """``node``'s row in ``section`` by binary search, or None."""
+        """``node``'s row in ``section`` by binary search, or None.
+
+        Single rows are read until the candidates fit :data:`_WINDOW` bytes, which are
+        then read at once: ``O(log N)`` reads of one row, plus one of the window.
+        """
         lo, hi = 0, self._h.counts[section]
+        window = max(1, _WINDOW // self._h.row)
         while lo < hi:
+            if hi - lo <= window and not any(
+                sec == section and first <= lo and hi <= first + len(c) // self._h.row
+                for sec, first, c in self._chunks
+            ):
+                raw = self._read_at(self._h.offset(section, lo), (hi - lo) * self._h.row)
+                self._chunks.append((section, lo, raw))
             mid = (lo + hi) // 2
             if self.node_at(section, mid) < node:
                 lo = mid + 1
@@ -365,11 +389,10 @@ class StateView:
         return None
 
     def where(self, node: Node) -> int | None:
-        """The section holding ``node``, or None."""
-        for section in SECTIONS:
-            if self.index(node, section) is not None:
-                return section
-        return None
+        """The section holding ``node``, or None (remembered per view)."""
+        if node not in self._where:
+            self._where[node] = next((s for s in SECTIONS if self.index(node, s) is not None), None)
+        return self._where[node]
 
 
 def ring_after(view: State | StateView, node: Node) -> Iterator[Node]:
