@@ -5,6 +5,8 @@
     model        model.state_dict() (a DDP/FSDP wrapper's ``.module`` is unwrapped)
     optimizer    optimizer.state_dict()            (if given)
     scheduler    lr_scheduler.state_dict()         (if given)
+    stateful     {name: obj.state_dict()} of any other registered objects (a second
+                 optimizer, a GradScaler, an EMA model, ...; if given)
     progress     {step, epoch, sample_offset, world_size, global_batch_size}
     rng          one entry per rank: torch CPU, CUDA (if initialized), Python, NumPy (if imported)
     extra        anything small and JSON-like the user adds
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +106,7 @@ def training_state(
     sample_offset: int = 0,
     global_batch_size: int | None = None,
     extra: dict[str, Any] | None = None,
+    stateful: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the bundle (see the module docstring). Collective under a process group.
 
@@ -115,6 +119,7 @@ def training_state(
         sample_offset: global samples consumed in ``epoch`` (``StepSlice.stop``).
         global_batch_size: samples per step at save time.
         extra: small user values.
+        stateful: more objects with ``state_dict()``/``load_state_dict()``, by name.
 
     Returns:
         The bundle; pass it to :meth:`CheckpointManager.save` right away (it references
@@ -140,6 +145,8 @@ def training_state(
         bundle["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
         bundle["scheduler"] = scheduler.state_dict()
+    if stateful:
+        bundle["stateful"] = {name: obj.state_dict() for name, obj in stateful.items()}
     return bundle
 
 
@@ -169,6 +176,7 @@ def restore_training_state(
     *,
     source: object = "checkpoint",
     restore_rng_states: bool = True,
+    stateful: Mapping[str, Any] | None = None,
 ) -> ResumeInfo:
     """Load a bundle into model/optimizer/scheduler and the RNGs.
 
@@ -177,6 +185,7 @@ def restore_training_state(
         model, optimizer, scheduler: the live objects (same architecture as at save).
         source: named in error messages (pass the checkpoint path).
         restore_rng_states: set ``False`` to keep the current RNG states.
+        stateful: the objects registered as ``stateful`` at save time, by name.
 
     The optimizer keeps the bundle's state tensors (``Optimizer.load_state_dict`` does not
     copy same-device tensors): restore a loaded bundle once, then drop it.
@@ -213,6 +222,21 @@ def restore_training_state(
         if "scheduler" not in bundle:
             raise CheckpointMismatchError(f"{source} holds no LR scheduler state")
         scheduler.load_state_dict(bundle["scheduler"])
+    if stateful:
+        saved = bundle.get("stateful")
+        missing = sorted(set(stateful) - set(saved or {}))
+        if not isinstance(saved, dict) or missing:
+            raise CheckpointMismatchError(
+                f"{source} holds no state for {missing or sorted(stateful)}; it was saved "
+                "without them (register the same objects as the run that saved it)"
+            )
+        for name, obj in stateful.items():
+            try:
+                obj.load_state_dict(saved[name])
+            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+                raise CheckpointMismatchError(
+                    f"{source} state of {name!r} does not match: {exc}"
+                ) from exc
     rank, world = _dist()
     rng = bundle.get("rng") or []
     if restore_rng_states and rng:

@@ -9,8 +9,11 @@ newcomers receive the committed state by broadcast from a survivor.
 
 Contract:
 
-* :class:`ElasticLoop` runs the whole protocol around the user's step function (a
-  script stays within a few lines of plain DDP; ``examples/train_ddp.py``);
+* :class:`ElasticSession` keeps the user's own loop (``for batch in loader:`` with
+  ``with session.step():`` around each optimizer step; any number of
+  ``state_dict``/``load_state_dict`` objects; ``examples/train_own_loop.py``);
+* :class:`ElasticLoop` is the session around a step function (a script stays within a
+  few lines of plain DDP; ``examples/train_ddp.py``);
 * :class:`ElasticState` is the state API underneath (``commit`` / ``restore`` / ``sync``);
 * :mod:`~slurm_elastic.live.world` re-forms the process group (``LiveWorld``), the loop
   decides when;
@@ -26,9 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from slurm_elastic.live.loop import ElasticLoop, ReformTimeoutError, Step, is_peer_failure
+    from slurm_elastic.live.session import ElasticSession, StepInfo
     from slurm_elastic.live.state import ElasticState
 
-__all__ = ["ElasticLoop", "ElasticState", "ReformTimeoutError", "Step", "is_peer_failure"]
+__all__ = [
+    "ElasticLoop",
+    "ElasticSession",
+    "ElasticState",
+    "ReformTimeoutError",
+    "Step",
+    "StepInfo",
+    "is_peer_failure",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -36,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from slurm_elastic.live import loop
 
         return getattr(loop, name)
+    if name in ("ElasticSession", "StepInfo"):
+        from slurm_elastic.live import session
+
+        return getattr(session, name)
     if name == "ElasticState":
         from slurm_elastic.live.state import ElasticState
 

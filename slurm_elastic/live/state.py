@@ -65,24 +65,24 @@ def _match_tensors(where: str, got: Any, own: Mapping[str, Any]) -> None:
             raise _refuse(f"{where}[{key!r}]", "a tensor where this rank has none")
 
 
-def _match_optimizer(got: Any, optimizer: torch.optim.Optimizer) -> None:
+def _match_optimizer(got: Any, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> None:
     own = optimizer.state_dict()
-    _match_keys("optimizer", got, own)
+    _match_keys(name, got, own)
     groups = got["param_groups"]
     if type(groups) is not list or len(groups) != len(own["param_groups"]):
-        raise _refuse("optimizer.param_groups", "a different number of parameter groups")
+        raise _refuse(f"{name}.param_groups", "a different number of parameter groups")
     params: dict[Any, torch.Tensor] = {}
     for i, (g, mine, live) in enumerate(
         zip(groups, own["param_groups"], optimizer.param_groups, strict=True)
     ):
         if not isinstance(g, Mapping) or g.get("params") != mine["params"]:
-            raise _refuse(f"optimizer.param_groups[{i}]", "different parameters")
+            raise _refuse(f"{name}.param_groups[{i}]", "different parameters")
         params.update(zip(mine["params"], live["params"], strict=True))
     entries = got["state"]
     if not isinstance(entries, Mapping):
-        raise _refuse("optimizer.state", "not a mapping")
+        raise _refuse(f"{name}.state", "not a mapping")
     for index, entry in entries.items():
-        where = f"optimizer.state[{index!r}]"
+        where = f"{name}.state[{index!r}]"
         if index not in params or not isinstance(entry, Mapping):
             raise _refuse(where, "not a parameter of this optimizer")
         mine_entry = own["state"].get(index, {})
@@ -93,6 +93,23 @@ def _match_optimizer(got: Any, optimizer: torch.optim.Optimizer) -> None:
                 _same_tensor(f"{where}[{key!r}]", value, mine_entry[key])
             elif value.shape != ():  # not created here yet: the parameter's own shape
                 _same_tensor(f"{where}[{key!r}]", value, params[index])
+
+
+def _match_tree(where: str, got: Any, own: Any) -> None:
+    """``got`` (an announced state) has ``own``'s structure: keys, lengths, tensors."""
+    if isinstance(own, torch.Tensor):
+        _same_tensor(where, got, own)
+    elif isinstance(own, Mapping):
+        _match_keys(where, got, own)
+        for key, value in own.items():
+            _match_tree(f"{where}[{key!r}]", got[key], value)
+    elif isinstance(own, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(own):
+            raise _refuse(where, f"not a sequence of {len(own)}")
+        for i, (g, o) in enumerate(zip(got, own, strict=True)):
+            _match_tree(f"{where}[{i}]", g, o)
+    elif isinstance(got, exchange.TensorSpec):
+        raise _refuse(where, "a tensor where this rank has none")
 
 
 def _host_copy(value: Any) -> Any:
@@ -120,6 +137,10 @@ class ElasticState:
         model: the model (a DDP wrapper is unwrapped; register the bare module).
         optimizer: its optimizer, if any.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        stateful: more objects that move with the state, by name: anything with
+            ``state_dict()``/``load_state_dict()`` (a second optimizer, a GradScaler,
+            an EMA model). Copied with every commit, shared with newcomers, checked
+            against the receiver's own structure like the rest.
         counters: plain values that move with the state (e.g. ``step=0, epoch=0``);
             read and write them through :attr:`counters`.
     """
@@ -129,11 +150,21 @@ class ElasticState:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        *,
+        stateful: Mapping[str, Any] | None = None,
         **counters: Any,
     ) -> None:
         self.model = _unwrap(model)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.stateful: dict[str, Any] = dict(stateful or {})
+        for name, obj in self.stateful.items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):  # fmt: skip
+                raise TypeError(
+                    f"stateful[{name!r}] is a {type(obj).__name__}: it needs state_dict() and "
+                    "load_state_dict() (wrap it, or keep it in the counters if it is a number)"
+                )
         self.counters: dict[str, Any] = dict(counters)
         self._commit: dict[str, Any] | None = None
         self._commit_id: tuple[int, int] = (-1, -1)
@@ -162,7 +193,12 @@ class ElasticState:
             snap["optimizer"] = _host_copy(self.optimizer.state_dict())
         if self.scheduler is not None:
             snap["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+        if self.stateful:
+            snap["stateful"] = self._stateful_copy()
         return snap
+
+    def _stateful_copy(self) -> dict[str, Any]:
+        return {name: _host_copy(obj.state_dict()) for name, obj in self.stateful.items()}
 
     def load(self, snap: Mapping[str, Any]) -> None:
         """Put a :meth:`snapshot` back into the live objects (the snapshot stays intact)."""
@@ -171,6 +207,9 @@ class ElasticState:
             self.optimizer.load_state_dict(_host_copy(snap["optimizer"]))
         if self.scheduler is not None and "scheduler" in snap:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        for name, obj in self.stateful.items():
+            if name in snap.get("stateful", {}):
+                obj.load_state_dict(_host_copy(snap["stateful"][name]))
         self.counters.update(copy.deepcopy(dict(snap["counters"])))
 
     def commit(self, commit_id: tuple[int, int] = (0, 0), *, background: bool = False) -> None:
@@ -187,7 +226,9 @@ class ElasticState:
             self._commit_id = commit_id
             return
         if not self._hooked:  # parameters and optimizer state change in step() only
-            self.optimizer.register_step_pre_hook(lambda *_: self.wait())
+            for opt in (self.optimizer, *self.stateful.values()):
+                if isinstance(opt, torch.optim.Optimizer):
+                    opt.register_step_pre_hook(lambda *_: self.wait())
             self._hooked = True
         live = self.model.state_dict()
         # every name a buffer has in state_dict(): a module used twice appears twice
@@ -197,6 +238,8 @@ class ElasticState:
         snap: dict[str, Any] = {"counters": copy.deepcopy(self.counters)}
         if self.scheduler is not None:
             snap["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+        if self.stateful:  # in the foreground: they may change outside optimizer.step()
+            snap["stateful"] = self._stateful_copy()
 
         def copy_rest() -> None:
             try:
@@ -299,6 +342,8 @@ class ElasticState:
             want.add("optimizer")
         if self.scheduler is not None:
             want.add("scheduler")
+        if self.stateful:
+            want.add("stateful")
         if type(state) is not dict or set(state) != want:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise StateExchangeError(
@@ -310,3 +355,10 @@ class ElasticState:
             _match_keys("scheduler", state["scheduler"], self.scheduler.state_dict())
         if self.optimizer is not None:
             _match_optimizer(state["optimizer"], self.optimizer)
+        if self.stateful:
+            _match_keys("stateful", state["stateful"], self.stateful)
+            for name, obj in self.stateful.items():
+                if isinstance(obj, torch.optim.Optimizer):
+                    _match_optimizer(state["stateful"][name], obj, f"stateful[{name!r}]")
+                else:
+                    _match_tree(f"stateful[{name!r}]", state["stateful"][name], obj.state_dict())

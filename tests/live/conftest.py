@@ -40,6 +40,7 @@ class LiveRun:
         step_time: float = 0.05,
         agent_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        script: Path = TRAIN,
     ) -> None:
         self.tmp = tmp
         self.node = node
@@ -52,7 +53,7 @@ class LiveRun:
             "--max-restarts", "0",
             "--rdzv-conf", "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1",
             *agent_args,
-            str(TRAIN),
+            str(script),
             "--steps", str(steps), "--dataset-size", str(DATASET),
             "--global-batch", str(GLOBAL_BATCH), "--step-time", str(step_time),
             "--ledger", str(tmp / "ledger.jsonl"), "--out", str(tmp / "out.pt"),

@@ -1,0 +1,611 @@
+"""``ElasticSession``: keep your own training loop; membership changes happen in place.
+
+The user keeps ``for batch in loader:`` and marks each optimizer step with
+``with session.step():``. The session owns the process group, the DDP wrapper, the data
+position, the in-memory commits, the periodic checkpoints and the protocol below; the
+state it moves is registered once: the model, its optimizer and scheduler, and any
+number of other objects with ``state_dict``/``load_state_dict`` (a second optimizer, a
+``GradScaler``, an EMA model: ``stateful={...}``)::
+
+    session = ElasticSession(model, opt, sched, stateful={"scaler": scaler},
+                             dataset_size=len(ds), global_batch_size=256, checkpoint=ckpt)
+    session.start()
+    while not session.finished(steps=10_000):
+        loader = DataLoader(ds, batch_sampler=session.batches(), num_workers=4)
+        for batch in loader:
+            with session.step() as step:
+                loss = loss_fn(session.model(batch.x), batch.y) * step.loss_scale
+                scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); sched.step()
+                opt.zero_grad()
+            if session.interrupted:   # the world changed, the epoch ended, or this node left
+                break
+        if session.left:
+            break
+    session.finish()   # the final checkpoint (collective), unless this node left
+
+:meth:`batches` is the loader's batch sampler: this rank's share of each global batch,
+from the current position, for the current world; a world change ends the loop over
+the loader (``interrupted``) and the next loader starts where the committed position is,
+so every sample is used exactly once per epoch (:class:`~slurm_elastic.checkpoint.
+ElasticSampler` semantics, fixed global batch). :class:`~slurm_elastic.live.loop.
+ElasticLoop` is this session driven by a step function.
+
+**At every step boundary** (the end of a ``with session.step():`` block) the ranks agree
+with one ``all_reduce`` (MAX over five integers): does any rank's node leave, does any
+rank stay, which new round (if any) every staying rank has received *and* found ready
+(all its ranks announced in the round's store), and has a leave waited too long. Then,
+the same decision on every rank:
+
+* nothing pending: commit (every ``commit_every`` steps), maybe checkpoint, go on;
+* every staying rank holds the same ready round: **switch** (graceful join, leave, spare
+  promotion): leaving ranks return, the others commit, tear the group down in the safe
+  order, init the new group on the round's store, take the newest commit from a
+  survivor by broadcast (newcomers: no disk read), and wrap the model in a new DDP;
+* every rank leaves (the whole job is preempted): save a checkpoint together, return;
+* restart path (``$SLURM_ELASTIC_IN_PLACE=0``, or no agent control channel): a notice
+  makes all ranks save together, the leaving ranks return, the others wait for the
+  agent to restart them.
+
+**A failed collective** inside the block or at the boundary (a peer was SIGKILLed or its
+node is gone) makes the survivors roll back to their last commit (every registered
+object), wait for the agent's next assignment and re-form the same way; the block's
+exception is swallowed and ``interrupted`` is set; only the steps since the last commit
+are redone. With no assignment within ``reform_timeout_s`` the error is raised.
+
+NCCL: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (abort the communicator, keep
+the process) so that a failed collective raises instead of ending the process. Not
+verified on a GPU here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slurm_elastic import events, notice
+from slurm_elastic.checkpoint import (
+    CheckpointManager,
+    ElasticSampler,
+    loss_scale,
+    restore_training_state,
+    training_state,
+)
+from slurm_elastic.checkpoint.sampler import rank_share
+from slurm_elastic.live import control
+from slurm_elastic.live.state import ElasticState
+from slurm_elastic.live.world import LiveWorld, is_peer_failure
+
+__all__ = ["ElasticSession", "StepInfo"]
+
+log = logging.getLogger(__name__)
+
+_BIG = 1 << 62
+# Rank 0 reports progress (a train.progress event) every this many steps.
+_PROGRESS_EVERY = 10
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One optimizer step as seen by one rank (what ``with session.step()`` yields).
+
+    Attributes:
+        indices: this rank's dataset indices of the step (possibly empty at an epoch
+            tail); a loader over :meth:`ElasticSession.batches` yields the same ones.
+        global_size: samples in the step's global batch.
+        loss_scale: multiply a *summed* loss by this so DDP's averaged gradient is the
+            mean over the global batch.
+        step: steps done before this one.
+        epoch: the epoch.
+        rank: this rank in the current world.
+        world_size: ranks in the current world.
+        round: the rendezvous round of the current world.
+    """
+
+    indices: list[int]
+    global_size: int
+    loss_scale: float
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    round: int
+
+
+class ElasticSession:
+    """Training state, data position and process group that survive membership changes.
+
+    Args:
+        model: the bare model (already on ``device``).
+        optimizer: its optimizer.
+        scheduler: an LR scheduler stepped by the user, if any.
+        stateful: more objects with ``state_dict()``/``load_state_dict()``, by name (a
+            second optimizer, a ``GradScaler``, an EMA model): committed, shared with
+            newcomers and checkpointed with the rest.
+        dataset_size: samples per epoch.
+        global_batch_size: samples per step over all ranks (fixed at any world size).
+        seed: the sample order of epoch ``e`` depends only on ``(seed, e)``.
+        shuffle: shuffle each epoch.
+        drop_last: skip the short last global batch of each epoch.
+        checkpoint: where periodic and final checkpoints go (and the first start
+            resumes from); ``None``: none.
+        save_every: also checkpoint every N steps (0: only at the end and on leave).
+        commit_every: commit to host memory every N steps (1: a hard loss redoes at most
+            the step that failed).
+        backend: process group backend (default: ``nccl`` with CUDA, else ``gloo``).
+        ddp_kwargs: passed to :class:`DistributedDataParallel` (e.g. ``device_ids``).
+        timeout_s: collective timeout of every process group.
+        reform_timeout_s: after a failed collective, how long to wait for a new round.
+        leave_wait_s: how long a leave may wait for the survivors' new round before
+            everyone saves a checkpoint and the restart path takes over.
+        extra: small JSON-like values stored in every checkpoint.
+        save_each_epoch: also checkpoint after the last step of every epoch.
+        async_commit: copy the periodic commits' parameters and optimizer state on a
+            thread while the next step's forward and backward run (the optimizers'
+            steps wait for it); only for loops that change parameters in the
+            optimizers' ``step()`` alone.
+        stall_abort_s: in place with gloo, end a collective that has waited at least
+            this long (and 3x the longest recent step) once the agent assigns a round
+            formed after a member was lost (:mod:`~slurm_elastic.live.abort`).
+            ``None``: wait for ``timeout_s``.
+
+    Raises:
+        ValueError: ``commit_every`` < 1 or ``stall_abort_s`` not positive.
+        TypeError: a ``stateful`` object without ``state_dict``/``load_state_dict``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        *,
+        stateful: Mapping[str, Any] | None = None,
+        dataset_size: int,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        checkpoint: CheckpointManager | None = None,
+        save_every: int = 0,
+        commit_every: int = 1,
+        backend: str | None = None,
+        ddp_kwargs: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        reform_timeout_s: float = 120.0,
+        leave_wait_s: float = 30.0,
+        extra: dict[str, Any] | None = None,
+        save_each_epoch: bool = False,
+        async_commit: bool = False,
+        stall_abort_s: float | None = 1.0,
+    ) -> None:
+        if commit_every < 1:
+            raise ValueError(f"commit_every={commit_every} must be >= 1")
+        if stall_abort_s is not None and not stall_abort_s > 0:
+            raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
+        self.state = ElasticState(
+            model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, offset=0
+        )
+        self.sampler = ElasticSampler(
+            dataset_size,
+            global_batch_size,
+            rank=0,
+            world_size=1,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
+        self.checkpoint = checkpoint
+        self.save_every = save_every
+        self.commit_every = commit_every
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if self.backend == "nccl":
+            # On a peer failure NCCL's watchdog aborts the communicator and the collective
+            # raises, without killing the process (1, torch's default, kills it): the
+            # survivors can then re-form. Unverified on hardware here: run
+            # bench/gpu_reform_check.py on a GPU machine.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.timeout = timedelta(seconds=timeout_s)
+        self.reform_timeout_s = reform_timeout_s
+        self.leave_wait_s = leave_wait_s
+        self.extra = dict(extra or {})
+        self.save_each_epoch = save_each_epoch
+        self.async_commit = async_commit
+        #: the ``extra`` of the checkpoint resumed from (empty otherwise)
+        self.resume_extra: dict[str, Any] = {}
+        #: the world size the checkpoint resumed from was saved at (None: no checkpoint)
+        self.resume_world_size: int | None = None
+        self.in_place = (
+            control.in_place_enabled()
+            and bool(os.environ.get(control.CONTROL_DIR_ENV))
+            and control.Assignment.from_environ() is not None
+        )
+        #: the process group and its re-formation (:mod:`~slurm_elastic.live.world`)
+        self.world = LiveWorld(
+            self.state,
+            backend=self.backend,
+            ddp_kwargs=self.ddp_kwargs,
+            timeout=self.timeout,
+            reform_timeout_s=reform_timeout_s,
+            in_place=self.in_place,
+            stall_abort_s=stall_abort_s,
+        )
+        #: the loop over the current loader must end: the world changed (a switch or a
+        #: recovery), the epoch ended, or this node left (:attr:`left`)
+        self.interrupted = False
+        #: this node stopped: its state lives on in the survivors or in the checkpoint
+        self.left = False
+        self._order: tuple[int, list[int]] | None = None
+        self._leave_seen_at: float | None = None
+        self._not_in_round = False
+        # In place, the agent that started this worker; if it dies (SIGKILL does not take
+        # the children along), this worker leaves instead of training on as an orphan.
+        self._agent_pid = os.getppid() if self.in_place else None
+        self._orphaned = False
+        self._saved_step = -1
+        self._total_steps: int | None = None
+        self._started = False
+        self._announced = False
+        self.resumed_from: str | None = None
+
+    # -- public view ---------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The current DDP wrapper (replaced at every re-formation: do not keep it)."""
+        return self.world.model
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps done."""
+        return int(self.state.counters["step"])
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return int(self.state.counters["epoch"])
+
+    @property
+    def sample_offset(self) -> int:
+        """Global samples consumed in the current epoch."""
+        return int(self.state.counters["offset"])
+
+    @property
+    def rank(self) -> int:
+        """This rank in the current world."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current world."""
+        return dist.get_world_size()
+
+    @property
+    def round(self) -> int:
+        """The rendezvous round of the current world."""
+        return self.world.round
+
+    # -- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join the process group, take the state (from a live peer, else the newest
+        checkpoint, else the initial one) and wrap the model; idempotent."""
+        if self._started:
+            return
+        self._started = True
+        from_peer = self.world.open()
+        if from_peer:
+            self.resumed_from = "peer"
+        else:
+            self._resume_from_checkpoint()
+            self.world.commit(self.step_count)
+        self.world.wrap()
+        self.world.register(int(os.environ.get("LOCAL_RANK", "0")))
+        events.emit(
+            events.LiveStart(
+                rank=self.rank,
+                world_size=self.world_size,
+                step=self.step_count,
+                in_place=self.in_place,
+                resumed_from=self.resumed_from,
+            )
+        )
+
+    def _resume_from_checkpoint(self) -> None:
+        if self.checkpoint is None:
+            return
+        loaded = self.checkpoint.load_latest()
+        if loaded is None:
+            return
+        info = restore_training_state(
+            loaded.state,
+            self.state.model,
+            self.state.optimizer,
+            self.state.scheduler,
+            source=loaded.path,
+            stateful=self.state.stateful or None,
+        )
+        self.state.counters.update(step=info.step, epoch=info.epoch, offset=info.sample_offset)
+        self._saved_step = info.step
+        self.resumed_from = str(loaded.path)
+        self.resume_extra = dict(info.extra)
+        self.resume_world_size = info.saved_world_size
+
+    # -- the user's loop --------------------------------------------------------------------
+
+    def finished(self, steps: int | None = None, epochs: int | None = None) -> bool:
+        """Whether training is over: ``steps`` or ``epochs`` done, or this node left.
+
+        Starts the session on first use. Also clears :attr:`interrupted` (call it before
+        building each loader).
+
+        Raises:
+            ValueError: neither ``steps`` nor ``epochs`` given.
+        """
+        if steps is None and epochs is None:
+            raise ValueError("finished() needs steps=... or epochs=... (when to stop)")
+        self.start()
+        self._total_steps = steps
+        if not self._announced:
+            self._announced = True
+            # For slurm-elastic status / timeline / submit --wait: progress and throughput.
+            events.emit(
+                events.TrainStart(
+                    step=self.step_count, world_size=self.world_size, rank=self.rank,
+                    total_steps=steps,
+                )
+            )  # fmt: skip
+        self.interrupted = False
+        return self.left or self.reached(steps, epochs)
+
+    def reached(self, steps: int | None = None, epochs: int | None = None) -> bool:
+        """Whether ``steps`` steps or ``epochs`` epochs are done."""
+        return (steps is not None and self.step_count >= steps) or (
+            epochs is not None and self.epoch >= epochs
+        )
+
+    def batches(self) -> Iterator[list[int]]:
+        """This rank's dataset indices for each step, from the current position.
+
+        A batch sampler for ``DataLoader(dataset, batch_sampler=session.batches())`` (or
+        iterate it directly). It ends at the end of the epoch; a world change makes
+        :attr:`interrupted` true, and the next call starts from the committed position.
+        Indices are computed when the loader asks for them (a loader may prefetch):
+        the position and the world are the ones of this call.
+        """
+        self.start()
+        epoch, start, world, rank = self.epoch, self.sample_offset, self.world_size, self.rank
+        order = self._global_order(epoch)
+        length, size = self.sampler.epoch_length, self.sampler.global_batch_size
+        while start < length:
+            stop = min(start + size, length)
+            lo, hi = rank_share(start, stop, rank, world)
+            yield order[lo:hi]
+            start = stop
+
+    def _global_order(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            self.sampler.set_epoch(epoch, 0)
+            self._order = (epoch, self.sampler.global_order(epoch))
+        return self._order[1]
+
+    def next_indices(self) -> tuple[list[int], int, int]:
+        """This rank's indices of the next step, and the step's global ``(start, stop)``."""
+        order = self._global_order(self.epoch)
+        start = self.sample_offset
+        stop = min(start + self.sampler.global_batch_size, self.sampler.epoch_length)
+        lo, hi = rank_share(start, stop, self.rank, self.world_size)
+        return order[lo:hi], start, stop
+
+    @contextmanager
+    def step(self, on_epoch_end: Callable[[int], Any] | None = None) -> Iterator[StepInfo]:
+        """One optimizer step; at its end the step boundary (commit, switch or leave).
+
+        A peer failure inside the block (or at the boundary) is handled here: the state
+        rolls back to the last commit, the world re-forms and :attr:`interrupted` is set
+        (the exception does not propagate). Any other exception propagates.
+
+        Args:
+            on_epoch_end: called (on every rank) after the last step of each epoch, before
+                the boundary, e.g. to validate; may use collectives.
+
+        Yields:
+            The step's :class:`StepInfo`.
+
+        Raises:
+            ReformTimeoutError: a peer failed and no new round came in time.
+        """
+        self.start()
+        if self.left:
+            raise RuntimeError("this node left the run: stop training (session.left)")
+        self.world.beat()  # the previous step and its boundary are done
+        indices, start, stop = self.next_indices()
+        world = self.world_size
+        self.world.dirty = True
+        info = StepInfo(
+            indices=indices,
+            global_size=stop - start,
+            loss_scale=loss_scale(stop - start, world),
+            step=self.step_count,
+            epoch=self.epoch,
+            rank=self.rank,
+            world_size=world,
+            round=self.world.round,
+        )
+        failure: str | None = None
+        try:
+            yield info
+            self._advance(stop, on_epoch_end)
+            outcome = self._boundary()
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            failure = f"{type(exc).__name__}: {exc}"
+            outcome = None
+        # Outside the except block: its traceback would keep the broken group alive.
+        if failure is not None:
+            self.interrupted = True
+            if self._leaving_here():
+                events.emit(events.LiveLeft(step=self.step_count, after="failure"))
+                self._mark_left()
+                return
+            self._recover(failure)
+            return
+        if outcome == "left":
+            self._mark_left()
+        elif outcome == "switched":
+            self.interrupted = True
+
+    def _mark_left(self) -> None:
+        self.left = self.interrupted = True
+        events.emit(events.TrainPreempted(step=self.step_count, rank=self.rank))
+
+    def _advance(self, stop: int, on_epoch_end: Callable[[int], Any] | None) -> None:
+        counters = self.state.counters
+        counters["step"] += 1
+        counters["offset"] = stop
+        if stop >= self.sampler.epoch_length:
+            if on_epoch_end is not None:
+                on_epoch_end(self.epoch)
+            counters["epoch"] += 1
+            counters["offset"] = 0
+            self.interrupted = True  # the loader of this epoch is done
+        notice.report_progress(self.step_count)
+        if self.rank == 0 and self.step_count % _PROGRESS_EVERY == 0:
+            events.emit(
+                events.TrainProgress(
+                    step=self.step_count,
+                    rank=self.rank,
+                    total_steps=self._total_steps,
+                    samples=self.epoch * self.sampler.epoch_length + self.sample_offset,
+                )
+            )
+
+    def finish(self) -> str:
+        """End training: the final checkpoint (collective) unless this node left.
+
+        Returns:
+            ``"done"`` or ``"left"``.
+        """
+        if self.left:
+            return "left"
+        self.save(blocking=True)
+        events.emit(events.LiveDone(step=self.step_count, rank=self.rank))
+        events.emit(events.TrainDone(step=self.step_count, rank=self.rank))
+        return "done"
+
+    def close(self) -> None:
+        """Flush checkpoints and leave the process group."""
+        if self.checkpoint is not None:
+            self.checkpoint.flush()
+        self.world.close()
+
+    # -- the agreement ------------------------------------------------------------------------
+
+    def _leaving_here(self) -> bool:
+        if self._agent_pid is not None and not self._orphaned and os.getppid() != self._agent_pid:
+            log.warning("agent %d is gone: leaving at the switch", self._agent_pid)
+            self._orphaned = True
+        return self._orphaned or self._not_in_round or notice.preemption_requested()
+
+    def _boundary(self) -> str | None:
+        """The step boundary: ``None`` (go on), ``"switched"`` or ``"left"``."""
+        leaving = self._leaving_here()
+        if self.in_place:
+            ready = 0 if leaving else self.world.ready_round()
+            give_up = (
+                self._leave_seen_at is not None
+                and time.monotonic() - self._leave_seen_at > self.leave_wait_s
+            )
+        else:
+            ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
+        flags = torch.tensor(
+            [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
+            dtype=torch.int64,
+            device=self.world.device(),
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
+        ready_min = -neg_min
+        if any_leave and self._leave_seen_at is None:
+            self._leave_seen_at = time.monotonic()
+        if ready_max > 0 and not leaving and self.world.pending_round() != ready_max - 1:
+            # A rank verified that every rank of round ready_max - 1 announced itself in
+            # its store, and this one holds no assignment for it: its node has no place
+            # in that round (the new round filled max_nodes and its agent waits as a
+            # spare). Leave at the next boundary like a node with notice, so the others
+            # switch without a rollback; the agent starts new workers if promoted. (No
+            # early return: the rest of this boundary, a save included, is collective.)
+            log.info("not a member of round %d: leaving at the switch", ready_max - 1)
+            self._not_in_round = True
+            self.world.unregister(int(os.environ.get("LOCAL_RANK", "0")))
+        if any_leave and not any_stay:
+            self.save(blocking=True)  # the whole job stops: nothing finished is lost
+            events.emit(events.LiveLeft(step=self.step_count, after="everyone_leaves"))
+            return "left"
+        if ready_max > 0 and ready_min == ready_max:
+            if leaving:
+                events.emit(events.LiveLeft(step=self.step_count, after="switch"))
+                return "left"
+            self.world.switch(self.step_count)
+            self._leave_seen_at = None
+            return "switched"
+        if gave_up:
+            self.save(blocking=True)  # together, now: nothing finished is lost
+            if leaving:
+                events.emit(events.LiveLeft(step=self.step_count, after="save"))
+                return "left"
+            if not self.in_place:
+                # our agent stops these workers for the next round; if it does not,
+                # the next collective fails and the worker exits for a restart
+                if notice.await_new_round(self.leave_wait_s):
+                    events.emit(events.LiveLeft(step=self.step_count, after="restart"))
+                    return "left"
+                return None
+            self.world.commit(self.step_count)
+            self._recover("a peer left and no new round formed")
+            return "switched"
+        if self.step_count % self.commit_every == 0:
+            self.world.commit(self.step_count, background=self.async_commit)
+        epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
+        if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
+            self.save(blocking=False)
+        return None
+
+    def _recover(self, reason: str) -> None:
+        self.world.recover(reason)
+        self._leave_seen_at = None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, blocking: bool) -> None:
+        """Collective: checkpoint the current state (skipped if this step is saved)."""
+        if self.checkpoint is None:
+            return
+        if self._saved_step == self.step_count:
+            if blocking:
+                self.checkpoint.flush()
+            return
+        bundle = training_state(
+            self.model,
+            self.state.optimizer,
+            self.state.scheduler,
+            step=self.step_count,
+            epoch=self.epoch,
+            sample_offset=self.sample_offset,
+            global_batch_size=self.sampler.global_batch_size,
+            extra=self.extra or None,
+            stateful=self.state.stateful or None,
+        )
+        self.checkpoint.save(bundle, self.step_count, blocking=blocking)
+        self._saved_step = self.step_count
