@@ -79,6 +79,7 @@ class Training:
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)
+        self.features = args.features
         self.net = nn.Sequential(
             nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)
         )
@@ -94,7 +95,7 @@ class Training:
     def step(self, model: nn.Module, batch: dict[str, Any], scale: float) -> torch.Tensor:
         x, y = batch["x"], batch["y"]
         if len(batch["index"]) == 0:  # no samples here: still take part in the step
-            x = torch.zeros(0, self.net[0].in_features)
+            x = torch.zeros(0, self.features)
         out = model(x)
         loss = ((out - y) ** 2).sum() * scale
         self.opt_body.zero_grad(set_to_none=False)
