@@ -62,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=60.0,
         help="a leave waits this long for the survivors' new round, then everyone saves",
     )
-    p.add_argument("--commit-every", type=int, default=1, help="in-memory commit period")
+    p.add_argument(
+        "--commit-every",
+        type=int,
+        default=0,
+        help="host copy of the state every N steps (0: none; survivors share their live state)",
+    )
     p.add_argument(
         "--async-commit",
         action="store_true",
@@ -111,17 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
 
     def train_step(s: Step) -> None:
-        loss = ((s.model(x[s.indices]) - y[s.indices]) ** 2).sum() * s.loss_scale
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if args.ledger:
+        if args.ledger:  # at the start: an attempt that fails is superseded by its redo
             record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank, "world": s.world_size}
             record.update(indices=s.indices, round=s.round, attempt=f"round{s.round}")
             record.update(pid=os.getpid(), time=time.time())
             with open(args.ledger, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        loss = ((s.model(x[s.indices]) - y[s.indices]) ** 2).sum() * s.loss_scale
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        sched.step()
         if s.rank == 0 and (s.step + 1) % 10 == 0:
             print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}", flush=True)
         if args.step_time:

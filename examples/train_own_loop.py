@@ -133,14 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             with session.step() as s:
                 if batch["index"] != s.indices:  # the loader and the step agree
                     raise RuntimeError(f"loader gave {batch['index']}, step wants {s.indices}")
-                loss = t.step(session.model, batch, s.loss_scale)
-                if args.ledger:
+                if args.ledger:  # at the start: a failed attempt is superseded by its redo
                     record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank,
                               "world": s.world_size, "indices": s.indices, "round": s.round,
                               "attempt": f"round{s.round}", "pid": os.getpid(),
                               "time": time.time()}  # fmt: skip
                     with open(args.ledger, "a") as fh:
                         fh.write(json.dumps(record) + "\n")
+                loss = t.step(session.model, batch, s.loss_scale)
                 if s.rank == 0 and (s.step + 1) % 10 == 0:
                     print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}",
                           flush=True)  # fmt: skip

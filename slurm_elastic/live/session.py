@@ -139,8 +139,13 @@ class ElasticSession:
         checkpoint: where periodic and final checkpoints go (and the first start
             resumes from); ``None``: none.
         save_every: also checkpoint every N steps (0: only at the end and on leave).
-        commit_every: commit to host memory every N steps (1: a hard loss redoes at most
-            the step that failed).
+        commit_every: 0 (default): no copy of the state at step boundaries. DDP keeps
+            every replica identical, so after a failed collective the survivors re-form
+            and take the newest live state among them (a rank that finished the step
+            gives it to one that did not); the state is copied only when the world
+            changes. N > 0: also copy it to host memory every N steps and roll back to
+            that copy after a failure (exact also when a collective *inside* the step
+            fails after the optimizer stepped, e.g. a loss all-reduce for logging).
         backend: process group backend (default: ``nccl`` with CUDA, else ``gloo``).
         ddp_kwargs: passed to :class:`DistributedDataParallel` (e.g. ``device_ids``).
         timeout_s: collective timeout of every process group.
@@ -159,7 +164,7 @@ class ElasticSession:
             ``None``: wait for ``timeout_s``.
 
     Raises:
-        ValueError: ``commit_every`` < 1 or ``stall_abort_s`` not positive.
+        ValueError: ``commit_every`` < 0 or ``stall_abort_s`` not positive.
         TypeError: a ``stateful`` object without ``state_dict``/``load_state_dict``.
     """
 
@@ -177,7 +182,7 @@ class ElasticSession:
         drop_last: bool = False,
         checkpoint: CheckpointManager | None = None,
         save_every: int = 0,
-        commit_every: int = 1,
+        commit_every: int = 0,
         backend: str | None = None,
         ddp_kwargs: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
@@ -188,13 +193,19 @@ class ElasticSession:
         async_commit: bool = False,
         stall_abort_s: float | None = 1.0,
     ) -> None:
-        if commit_every < 1:
-            raise ValueError(f"commit_every={commit_every} must be >= 1")
+        if commit_every < 0:
+            raise ValueError(f"commit_every={commit_every} must be >= 0 (0: no periodic copy)")
         if stall_abort_s is not None and not stall_abort_s > 0:
             raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
         self.state = ElasticState(
             model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, offset=0
         )
+        # Whether an optimizer stepped inside the current ``with step():`` block: without
+        # periodic commits, a failure after that counts the step as done (see _failed).
+        self._stepped = False
+        for opt in (optimizer, *(stateful or {}).values()):
+            if isinstance(opt, torch.optim.Optimizer):
+                opt.register_step_post_hook(self._on_optimizer_step)
         self.sampler = ElasticSampler(
             dataset_size,
             global_batch_size,
@@ -443,15 +454,22 @@ class ElasticSession:
             round=self.world.round,
         )
         failure: str | None = None
+        self._stepped = advanced = False
         try:
             yield info
             self._advance(stop, on_epoch_end)
+            advanced = True
             outcome = self._boundary()
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
             failure = f"{type(exc).__name__}: {exc}"
             outcome = None
+            if self._stepped and not advanced and not self.commit_every:
+                # The optimizer stepped on the full all-reduced gradient before a later
+                # collective of the block failed: without a commit to roll back to, the
+                # step is done (what followed it in the block may be missed once).
+                self._advance(stop, None)
         # Outside the except block: its traceback would keep the broken group alive.
         if failure is not None:
             self.interrupted = True
@@ -465,6 +483,9 @@ class ElasticSession:
             self._mark_left()
         elif outcome == "switched":
             self.interrupted = True
+
+    def _on_optimizer_step(self, *_: Any) -> None:
+        self._stepped = True
 
     def _mark_left(self) -> None:
         self.left = self.interrupted = True
@@ -575,7 +596,7 @@ class ElasticSession:
             self.world.commit(self.step_count)
             self._recover("a peer left and no new round formed")
             return "switched"
-        if self.step_count % self.commit_every == 0:
+        if self.commit_every and self.step_count % self.commit_every == 0:
             self.world.commit(self.step_count, background=self.async_commit)
         epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
         if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
@@ -583,7 +604,7 @@ class ElasticSession:
         return None
 
     def _recover(self, reason: str) -> None:
-        self.world.recover(reason)
+        self.world.recover(reason, keep_live=not self.commit_every)
         self._leave_seen_at = None
 
     # -- checkpoints ----------------------------------------------------------------------------

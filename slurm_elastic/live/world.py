@@ -354,8 +354,14 @@ class LiveWorld:
             )
         )
 
-    def recover(self, reason: str) -> None:
+    def recover(self, reason: str, *, keep_live: bool = False) -> None:
         """After a failed collective: roll back, wait for the next round, re-form.
+
+        Args:
+            reason: the failure, for the log and the event.
+            keep_live: no rollback: the live state (consistent at a step: DDP replicas
+                stepped on the same all-reduced gradient or not at all) is committed now
+                and the newest one among the survivors is taken by all.
 
         Raises:
             ReformTimeoutError: no usable round within ``reform_timeout_s``.
@@ -366,7 +372,11 @@ class LiveWorld:
         log.warning("collective failed at step %d (%s): re-forming in place", failed_step, reason)
         events.emit(events.LivePeerFailure(step=failed_step, error=reason[:500]))
         self.teardown()
-        self.state.restore()
+        if keep_live:
+            self.state.commit((self.round, failed_step))
+        else:
+            self.state.restore()
+        self.state.model.zero_grad(set_to_none=True)  # no partial gradient carries over
         self.dirty = False
         if self._pending is not None:
             self._failed_rounds.discard(self._pending.assignment.round)
