@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from slurm_elastic.live.session import ElasticSession
+from slurm_elastic.live.session import ElasticSession, StepInfo
 from slurm_elastic.live.state import ElasticState
 from slurm_elastic.live.world import LiveWorld, ReformTimeoutError, is_peer_failure
 
@@ -26,32 +26,15 @@ __all__ = ["ElasticLoop", "ReformTimeoutError", "Step", "is_peer_failure"]
 
 
 @dataclass(frozen=True)
-class Step:
-    """One optimizer step as seen by one rank.
+class Step(StepInfo):
+    """One optimizer step as seen by one rank: :class:`StepInfo` plus the model.
 
     Attributes:
         model: the DDP-wrapped model of the current world (do not keep a reference:
             it is replaced at every re-formation).
-        indices: this rank's dataset indices (possibly empty at an epoch tail).
-        global_size: samples in the step's global batch.
-        loss_scale: multiply a *summed* loss by this so DDP's averaged gradient is the
-            mean over the global batch.
-        step: steps done before this one.
-        epoch: the epoch.
-        rank: this rank in the current world.
-        world_size: ranks in the current world.
-        round: the rendezvous round of the current world.
     """
 
     model: nn.Module
-    indices: list[int]
-    global_size: int
-    loss_scale: float
-    step: int
-    epoch: int
-    rank: int
-    world_size: int
-    round: int
 
 
 class ElasticLoop:
@@ -190,17 +173,5 @@ class ElasticLoop:
         while not s.finished(steps=steps, epochs=epochs):
             while not s.interrupted and not s.reached(steps, epochs):
                 with s.step(on_epoch_end) as info:
-                    train_step(
-                        Step(
-                            model=s.model,
-                            indices=info.indices,
-                            global_size=info.global_size,
-                            loss_scale=info.loss_scale,
-                            step=info.step,
-                            epoch=info.epoch,
-                            rank=info.rank,
-                            world_size=info.world_size,
-                            round=info.round,
-                        )
-                    )
+                    train_step(Step(**vars(info), model=s.model))
         return s.finish()

@@ -294,12 +294,12 @@ class ElasticSession:
     @property
     def rank(self) -> int:
         """This rank in the current world."""
-        return dist.get_rank()
+        return self.world.rank
 
     @property
     def world_size(self) -> int:
         """Ranks in the current world."""
-        return dist.get_world_size()
+        return self.world.world_size
 
     @property
     def round(self) -> int:

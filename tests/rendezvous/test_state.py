@@ -17,8 +17,6 @@ from slurm_elastic.rendezvous.state import (
     HEADER_BYTES,
     PARTICIPANTS,
     SECTIONS,
-    SPARES,
-    WAITING,
     MalformedRecordError,
     Node,
     State,
@@ -170,4 +168,3 @@ def test_node_fields_are_checked() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         Node("a", True, 0)  # type: ignore[arg-type]
     assert Node("a", 1, 2).name == "a_1_2" and repr(Node("a", 1, 2)) == "a_1_2"
-    assert WAITING != SPARES
