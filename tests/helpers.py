@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Other", "second_user", "wait_for"]
+__all__ = ["Other", "read_jsonl", "second_user", "wait_for"]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
@@ -30,6 +32,21 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.1f} s waiting for {what}")
         time.sleep(interval)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file that writers may be appending to right now.
+
+    Only complete lines count: a last line without its newline is a write in flight (a
+    reader can see part of an ``O_APPEND`` write) and is left for the next poll. A
+    complete line that does not parse is a real defect and raises.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    complete = data[: data.rfind(b"\n") + 1].decode()
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 @dataclass

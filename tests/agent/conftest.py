@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import read_jsonl
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -100,10 +101,7 @@ def single_agent(
 
 
 def records(out: Path) -> list[dict[str, Any]]:
-    path = out / "records.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(out / "records.jsonl")
 
 
 @pytest.fixture

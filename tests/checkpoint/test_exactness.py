@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import read_jsonl
 
 WORKER = Path(__file__).with_name("train_worker.py")
 N_SAMPLES = 50  # = train_worker.N_SAMPLES; global batch 12 -> 5 steps per epoch (tail of 2)
@@ -80,8 +81,7 @@ def launch(world: int, tmp: Path, ckpt: Path, ledger: Path, stop: int, *extra: s
 def ledger_by_epoch(ledger: Path) -> dict[int, Counter[int]]:
     counts: dict[int, Counter[int]] = {}
     for path in ledger.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_jsonl(path):
             counts.setdefault(rec["epoch"], Counter()).update(rec["indices"])
     return counts
 

@@ -19,7 +19,6 @@ is the second test (a 2-task array whose workers give a new round too little tim
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -38,20 +37,13 @@ from tests.e2e.jobs import (
     render,
 )
 from tests.e2e.test_slurm_e2e import ATOL, DATASET, TERMINAL, logs, reference_params
-from tests.helpers import wait_for
+from tests.helpers import read_jsonl, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(900)]
 
 
 def ledger(tmp: Path) -> list[dict[str, Any]]:
-    path = tmp / "ledger.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # a line being appended
-            out.append(json.loads(line))
-    return out
+    return read_jsonl(tmp / "ledger.jsonl")
 
 
 def task_of(pid: int) -> tuple[str, str]:

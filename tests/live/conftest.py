@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.helpers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -109,10 +110,7 @@ class LiveRun:
 
 
 def ledger(tmp: Path) -> list[dict[str, Any]]:
-    path = tmp / "ledger.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(tmp / "ledger.jsonl")
 
 
 def steps_done(tmp: Path) -> int:

@@ -9,7 +9,6 @@ the agent would leave them running, unlike a real node loss).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import read_jsonl, wait_for
 
 SCRIPTS = Path(__file__).with_name("scripts")
 
@@ -46,10 +45,7 @@ class Agents:
         return proc
 
     def records(self) -> list[dict[str, Any]]:
-        path = self.out / "records.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.out / "records.jsonl")
 
     def world_reached(self, world: int, *, exclude_masters: set[str] = frozenset()) -> list:  # type: ignore[assignment]
         """Records of a full world of ``world`` ranks (all ok), else an empty list."""
