@@ -191,7 +191,11 @@ class ElasticConfig:
     )
     requeue: str = _field(
         "preempt",
-        Rule(f"must be one of {', '.join(REQUEUE_POLICIES)}", lambda v: v in REQUEUE_POLICIES),
+        Rule(
+            f"must be one of {', '.join(REQUEUE_POLICIES)} (our own requeue of this node's "
+            "task; Slurm's --requeue=expedite is the job-file key 'expedited_requeue: true')",
+            lambda v: v in REQUEUE_POLICIES,
+        ),
         _flag("--requeue", choices=REQUEUE_POLICIES),
     )
     max_requeues: int = _field(20, _at_least(0), _flag("--max-requeues"))

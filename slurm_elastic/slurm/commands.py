@@ -47,6 +47,13 @@ from slurm_elastic.slurm.parse import (
     parse_scontrol_show_job,
     parse_squeue,
 )
+from slurm_elastic.slurm.site import (
+    PartitionInfo,
+    SlurmVersion,
+    parse_key_values,
+    parse_partition,
+    parse_version,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -335,6 +342,27 @@ class SlurmClient:
                 proc.stderr,
             )
         return parse_hostnames(proc.stdout)
+
+    # ------------------------------------------------------------------ the site
+    def version(self) -> SlurmVersion:
+        """The installed Slurm's version, from ``sbatch --version``.
+
+        Raises:
+            SlurmCommandNotFoundError: no sbatch here.
+            SlurmControllerError: sbatch finds no configuration (22.05 reads it even for
+                ``--version``: ``SLURM_CONF`` unset and no DNS SRV record).
+            SlurmParseError: the output holds no version.
+        """
+        return parse_version(self.run(["sbatch", "--version"]).stdout)
+
+    def site_config(self) -> dict[str, str]:
+        """``scontrol show config`` as a mapping (``KillWait`` -> ``"30 sec"``)."""
+        return parse_key_values(self.run(["scontrol", "show", "config"]).stdout)
+
+    def partitions(self, name: str | None = None) -> list[PartitionInfo]:
+        """``scontrol show partition --oneliner [NAME]``: every partition, or ``name``'s."""
+        argv = ["scontrol", "show", "partition", "--oneliner"]
+        return parse_partition(self.run([*argv, name] if name else argv).stdout)
 
     def ping(self) -> bool:
         """True when ``scontrol ping`` reports the controller UP (never raises on DOWN)."""

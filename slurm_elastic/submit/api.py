@@ -78,14 +78,27 @@ def resolve_cluster(cluster: str | None, client: SlurmControl | None = None) -> 
     return "slurm"
 
 
+def _no_slurm() -> None:
+    """The Slurm version of a local run: none (``expedited_requeue`` has no effect there)."""
+    return None
+
+
 def _request(
     entrypoint: str | None,
     args: object,
     mode: str | None,
     module: bool,
     values: Mapping[str, object],
+    cluster: str,
 ) -> JobRequest:
-    return build_request(values, entrypoint=entrypoint, args=args, mode=mode, module=module)
+    return build_request(
+        values,
+        entrypoint=entrypoint,
+        args=args,
+        mode=mode,
+        module=module,
+        slurm_version=None if cluster == "slurm" else _no_slurm,
+    )
 
 
 def _local_plan(request: JobRequest, folder: str | os.PathLike[str] | None) -> str:
@@ -122,8 +135,8 @@ def plan_submission(
     Raises:
         ConfigError: see :func:`submit`.
     """
-    request = _request(entrypoint, args, mode, module, values)
     chosen = resolve_cluster(cluster)
+    request = _request(entrypoint, args, mode, module, values, chosen)
     if chosen == "slurm":
         return SubmissionPlan("slurm", request, slurm_backend.sbatch_text(request, python))
     return SubmissionPlan("local", request, _local_plan(request, folder))
@@ -166,8 +179,8 @@ def submit(
         ConfigError: unknown key or mode, missing entrypoint, bad value.
         SlurmError: Slurm refused the job or is unreachable.
     """
-    request = _request(entrypoint, args, mode, module, values)
     chosen = resolve_cluster(cluster, client)
+    request = _request(entrypoint, args, mode, module, values, chosen)
     if chosen == "slurm":
         return slurm_backend.submit_slurm(request, client=client, python=python)
     return local.submit_local(request, folder)

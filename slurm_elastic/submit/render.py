@@ -26,6 +26,13 @@ Values (a flat mapping, e.g. a YAML file plus ``--set k=v``) are of two kinds:
 Unknown keys and missing required values raise :class:`~slurm_elastic.errors.ConfigError`
 naming the key and the fix.
 
+One template key depends on the Slurm in use: ``expedited_requeue: true`` renders
+``--requeue=expedite`` instead of ``--requeue``, which only Slurm >= 25.11 accepts. Only
+then is the installed version asked for (``sbatch --version``, through the ``slurm_version``
+probe every rendering function takes; tests inject one); an older or unreachable Slurm is
+refused with a message naming the version found and the fix. Every other rendering is a
+pure function of the values.
+
 The canonical templates live in the top-level ``sbatch_templates/`` directory;
 ``slurm_elastic/templates`` is a symlink to it, so the same files ship as package data
 (setuptools copies the files through the link into wheels).
@@ -42,8 +49,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from slurm_elastic.config import ENV_PREFIX, ElasticConfig, load_config, parse_nnodes
-from slurm_elastic.errors import ConfigError
+from slurm_elastic.errors import ConfigError, SlurmError
 from slurm_elastic.slurm.env import SlurmEnv
+from slurm_elastic.slurm.site import EXPEDITED_REQUEUE_SINCE, SlurmVersion
 
 __all__ = [
     "CONFIG_KEYS",
@@ -52,10 +60,13 @@ __all__ = [
     "TEMPLATE_KEYS",
     "SbatchOption",
     "TemplateSpec",
+    "VersionProbe",
     "boolean_value",
+    "installed_slurm_version",
     "job_config",
     "list_templates",
     "render_template",
+    "requeue_option",
     "slurm_time_minutes",
     "split_values",
     "template_text",
@@ -122,6 +133,7 @@ TEMPLATE_KEYS: dict[str, object] = {
     "gpus_per_node": None,
     "cpus_per_task": None,
     "exclusive": False,
+    "expedited_requeue": False,  # --requeue=expedite (Slurm >= 25.11) instead of --requeue
     "sbatch_args": (),  # extra sbatch options, e.g. ["--mail-type=END"]
     "srun_args": (),  # extra srun options (allocation templates)
     "env": {},  # extra environment variables to export
@@ -212,6 +224,62 @@ VALUES_SOURCE = "the job values"
 
 _PLACEHOLDER = re.compile(r"\$(\$)?\{([a-z][a-z0-9_]*)\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+#: Returns the Slurm version submissions go to; ``None``: none does (a local run).
+VersionProbe = Callable[[], "SlurmVersion | None"]
+
+
+def installed_slurm_version() -> SlurmVersion:
+    """The version of the Slurm on this machine (``sbatch --version``).
+
+    Raises:
+        SlurmError: no sbatch, no Slurm configuration, or unreadable output.
+    """
+    from slurm_elastic.slurm.commands import SlurmClient
+
+    return SlurmClient(timeout_s=30.0).version()
+
+
+def requeue_option(expedite: bool, slurm_version: VersionProbe | None = None) -> str:
+    """The sbatch requeue option: ``--requeue``, or ``--requeue=expedite`` when asked for
+    and the Slurm in use supports it.
+
+    Args:
+        expedite: the template key ``expedited_requeue``.
+        slurm_version: the probe (default :func:`installed_slurm_version`); asked only
+            when ``expedite`` is true. A probe returning ``None`` means no Slurm is
+            involved (a local run): nothing to check, ``--requeue`` is returned.
+
+    Raises:
+        ConfigError: ``expedite`` on a Slurm older than 25.11, or on a machine where the
+            version cannot be read; the message names the version (or the failure) and the fix.
+    """
+    if not expedite:
+        return "--requeue"
+    probe = installed_slurm_version if slurm_version is None else slurm_version
+    try:
+        version = probe()
+    except SlurmError as exc:
+        raise ConfigError(
+            f"template value 'expedited_requeue' = true: cannot tell whether this Slurm "
+            f"supports --requeue=expedite (Slurm >= {EXPEDITED_REQUEUE_SINCE.major}."
+            f"{EXPEDITED_REQUEUE_SINCE.minor:02d}): 'sbatch --version' failed ({exc}); "
+            "render on a machine where sbatch works (SLURM_CONF set), or drop "
+            "expedited_requeue"
+        ) from exc
+    if version is None:
+        return "--requeue"
+    if version < EXPEDITED_REQUEUE_SINCE:
+        raise ConfigError(
+            f"template value 'expedited_requeue' = true needs Slurm >= "
+            f"{EXPEDITED_REQUEUE_SINCE.major}.{EXPEDITED_REQUEUE_SINCE.minor:02d} "
+            f"(sbatch --requeue=expedite), but the Slurm here is {version} "
+            "('sbatch --version'); drop expedited_requeue (or set it to false): the job "
+            "keeps --requeue, and slurm_elastic still requeues preempted tasks itself; "
+            "or ask the site to upgrade Slurm"
+        )
+    return "--requeue=expedite"
 
 
 def list_templates() -> list[str]:
@@ -417,7 +485,11 @@ def job_config(
 
 
 def template_values(
-    name: str, values: Mapping[str, object], *, source: str = VALUES_SOURCE
+    name: str,
+    values: Mapping[str, object],
+    *,
+    source: str = VALUES_SOURCE,
+    slurm_version: VersionProbe | None = None,
 ) -> dict[str, str]:
     """Resolve ``values`` into the text of every placeholder of template ``name``.
 
@@ -425,6 +497,7 @@ def template_values(
         name: a template name (:func:`list_templates`).
         values: config keys and template keys (see the module docstring).
         source: where ``values`` came from, as error messages name it.
+        slurm_version: see :func:`requeue_option` (asked only for ``expedited_requeue``).
 
     Returns:
         placeholder name -> rendered text.
@@ -461,6 +534,9 @@ def template_values(
         "max_nodes": str(resolved.max_nodes),
         "array_last": str(resolved.max_nodes - 1),
         "nproc_per_node": str(resolved.nproc_per_node or "auto"),
+        "requeue_option": requeue_option(
+            boolean_value("expedited_requeue", template["expedited_requeue"]), slurm_version
+        ),
     }
     if spec.fixed_nodes:
         out["nodes"] = str(template["nodes"])
@@ -511,7 +587,11 @@ def template_values(
 
 
 def render_template(
-    name: str, values: Mapping[str, object] | None = None, *, source: str = VALUES_SOURCE
+    name: str,
+    values: Mapping[str, object] | None = None,
+    *,
+    source: str = VALUES_SOURCE,
+    slurm_version: VersionProbe | None = None,
 ) -> str:
     """Render template ``name`` with ``values``: a dry run by construction.
 
@@ -520,6 +600,7 @@ def render_template(
         values: config keys and template keys (see the module docstring); ``entrypoint``
             is required.
         source: where ``values`` came from, as error messages name it.
+        slurm_version: see :func:`requeue_option` (asked only for ``expedited_requeue``).
 
     Returns:
         The complete sbatch script.
@@ -529,7 +610,7 @@ def render_template(
             the message names the key and the fix.
     """
     text = template_text(name)
-    resolved = template_values(name, values or {}, source=source)
+    resolved = template_values(name, values or {}, source=source, slurm_version=slurm_version)
     missing: list[str] = []
 
     def substitute(match: re.Match[str]) -> str:

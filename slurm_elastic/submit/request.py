@@ -40,6 +40,8 @@ class JobRequest:
         job_name: Slurm job name.
         output_dir: where Slurm/submitit write logs (on the shared filesystem).
         template: the remaining template keys (partition, time, ...).
+        requeue_option: ``--requeue``, or ``--requeue=expedite`` (``expedited_requeue``,
+            checked against the Slurm version when the request was built).
     """
 
     mode: str
@@ -54,6 +56,7 @@ class JobRequest:
     job_name: str
     output_dir: str
     template: Mapping[str, Any] = field(default_factory=dict)
+    requeue_option: str = "--requeue"
 
     @property
     def setup_lines(self) -> list[str]:
@@ -94,10 +97,13 @@ def build_request(
     args: object = None,
     mode: str | None = None,
     module: bool = False,
+    slurm_version: render.VersionProbe | None = None,
 ) -> JobRequest:
     """Validate ``values`` (config + template keys) into a :class:`JobRequest`.
 
     ``entrypoint``/``args``/``mode`` given here win over the same keys in ``values``.
+    ``slurm_version``: the Slurm the job goes to, asked only for ``expedited_requeue``
+    (see :func:`~slurm_elastic.submit.render.requeue_option`).
 
     Raises:
         ConfigError: unknown mode or key, missing entrypoint, or a bad value (the
@@ -114,7 +120,7 @@ def build_request(
         raise ConfigError(
             f"unknown mode {chosen!r}: choose one of {', '.join(render.list_templates())}"
         )
-    resolved = render.template_values(chosen, merged)  # validates everything
+    resolved = render.template_values(chosen, merged, slurm_version=slurm_version)  # validates all
     config, template = render.split_values(merged)
     spec = render.TEMPLATES[chosen]
     min_nodes, max_nodes = int(resolved["min_nodes"]), int(resolved["max_nodes"])
@@ -142,4 +148,5 @@ def build_request(
         # submitit keeps pickles and logs per job under it: a subdirectory by default
         output_dir=str(template.get("output_dir") or "logs"),
         template={k: v for k, v in template.items() if k not in ("entrypoint", "args")},
+        requeue_option=resolved["requeue_option"],
     )

@@ -13,8 +13,8 @@ the end, to every process of the job step (``--signal=SIG@lead``, no ``B:``: wit
 the agents are in the step); ``SUBMITIT_PREEMPT_SIGNAL`` is exported with the same name
 so submitit's own machinery agrees, and :func:`~slurm_elastic.submit.node.run_node`
 replaces submitit's job-side handlers (we do not use its Checkpointable requeue: our
-agent requeues its own task only). ``--requeue`` is set; submitit already appends to logs
-(``--open-mode=append``).
+agent requeues its own task only). ``--requeue`` is set (``--requeue=expedite`` with
+``expedited_requeue``); submitit already appends to logs (``--open-mode=append``).
 
 The dry run calls the same submitit function that renders the sbatch file of a real
 submission (``submitit.slurm.slurm._make_sbatch_string``, through
@@ -67,7 +67,8 @@ def submitit_parameters(request: JobRequest) -> dict[str, Any]:
     t = request.template
     additional: dict[str, object] = {
         "signal": f"{request.preempt_signal}@{request.signal_lead_s}",
-        "requeue": True,
+        # --requeue, or --requeue=expedite (checked against the Slurm version)
+        "requeue": request.requeue_option.partition("=")[2] or True,
     }
     params: dict[str, Any] = {
         "job_name": request.job_name,
