@@ -38,6 +38,7 @@ __all__ = [
     "REQUEUE_COUNT_ENV",
     "ROUND_ENV",
     "RUN_ID_ENV",
+    "SIGNAL_LEAD_ENV",
     "TEST_PAUSE_AT_ENV",
     "TEST_PAUSE_DIR_ENV",
     "TEST_PREFIX",
@@ -66,6 +67,7 @@ CONTROL_DIR_ENV = f"{PREFIX}CONTROL_DIR"
 ROUND_ENV = f"{PREFIX}ROUND"
 IN_PLACE_ENV = f"{PREFIX}IN_PLACE"
 KEY_FILE_ENV = f"{PREFIX}KEY_FILE"
+SIGNAL_LEAD_ENV = f"{PREFIX}SIGNAL_LEAD_S"
 #: ``SLURM_ELASTIC_CLUSTER``, ``SLURM_ELASTIC_CLUSTER_DIR``, ``..._MODE``, ...
 CLUSTER_PREFIX = f"{PREFIX}CLUSTER"
 #: Reserved for test harnesses; never a config key.
@@ -135,6 +137,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "the agent, for its workers",
         "`notice.install_preemption_handler`; the config (key `preempt_signal`)",
         config_key="preempt_signal",
+    ),
+    EnvVar(
+        SIGNAL_LEAD_ENV,
+        "seconds between the time-limit notice and the limit (the job's --signal lead)",
+        "the job script (`render`, `submit`), from the template key `signal_lead_s`",
+        "the agent's preemption-window check (`slurm_elastic.slurm.window`)",
     ),
     EnvVar(
         REQUEUE_COUNT_ENV,

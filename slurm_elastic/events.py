@@ -72,6 +72,7 @@ __all__ = [
     "AgentSignal",
     "AgentStart",
     "AgentTerminated",
+    "AgentWindow",
     "CheckpointFailed",
     "CheckpointLoaded",
     "CheckpointRemoved",
@@ -291,6 +292,24 @@ class AgentRequeued(Event):
     kind: ClassVar[str] = "agent.requeued"
     job: str = ""
     requeue_count: int = 0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
+class AgentWindow(Event):
+    """The warning this task gets before SIGKILL, as the agent read it at start
+    (:mod:`slurm_elastic.slurm.window`); ``None``: not known. ``save_s``/``fits``: the
+    longest recent durable save of the run and whether it fits every window."""
+
+    kind: ClassVar[str] = "agent.window"
+    signal_lead_s: float | None = None
+    grace_time_s: float | None = None
+    kill_wait_s: float | None = None
+    partition: str | None = None
+    preemptable: bool = True
+    shutdown_timeout_s: float = 0.0
+    save_s: float | None = None
+    fits: bool | None = None
 
 
 # -- rendezvous ----------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from slurm_elastic import envvars, events, notice, signals
 from slurm_elastic.agent import node_dirs
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
+from slurm_elastic.agent.notice_window import check_notice_window
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import (
@@ -436,6 +437,8 @@ def _run(
                 stop.handler(sig, None)
             else:
                 log.warning("ignored %s during start-up: not the notice signal", sig.name)
+        # does a checkpoint save fit the warning this task gets? (a WARNING if not)
+        check_notice_window(config, slurm, os.environ)
         params = rendezvous_parameters(config, rdzv_conf)
         handler = rdzv_registry.get_rendezvous_handler(params)
     except SignalException:  # stopped before there was anything to stop

@@ -170,6 +170,11 @@ def render_table(s: RunSummary) -> str:
         + ("-" if ckpt is None else f"step {ckpt.step}, {format_duration(s.now - ckpt.time)} ago")
         + f"   ({len(s.checkpoints)} saved)"
     )
+    verdict = s.window_verdict()
+    if verdict is not None:
+        # the partition's name comes from the run's files
+        lines.append(printable(verdict.summary()))
+        lines += [printable(f"WARNING: {problem}") for problem in verdict.problems()]
     lines.append("")
     rows = [
         [

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slurm_elastic import events as ev
+from slurm_elastic.slurm.window import NoticeWindow, WindowVerdict, plan_window, save_estimate
 
 __all__ = [
     "STATUS_SCHEMA",
@@ -117,6 +118,24 @@ class RunSummary:
     slurm_error: str | None = None
     unknown_events: int = 0
     event_count: int = 0
+    window: ev.AgentWindow | None = None  # the last agent.window: the task's warning
+
+    def window_verdict(self) -> WindowVerdict | None:
+        """Whether the run's recent durable saves fit the warning its tasks get (the
+        last ``agent.window`` event and the ``checkpoint.saved`` durations); ``None``
+        when no agent recorded a window (older versions)."""
+        w = self.window
+        if w is None:
+            return None
+        notice = NoticeWindow(
+            signal_lead_s=w.signal_lead_s,
+            grace_time_s=w.grace_time_s,
+            kill_wait_s=w.kill_wait_s,
+            partition=w.partition,
+            preemptable=w.preemptable,
+        )
+        saves = save_estimate([c.seconds for c in self.checkpoints])
+        return plan_window(notice, w.shutdown_timeout_s, saves)
 
     @property
     def elapsed_s(self) -> float | None:
@@ -135,6 +154,7 @@ class RunSummary:
     def to_json(self) -> dict[str, Any]:
         """The ``status --json`` document (schema :data:`STATUS_SCHEMA`)."""
         ckpt = self.checkpoint
+        verdict = self.window_verdict()
         return {
             "schema": STATUS_SCHEMA,
             "run_id": self.run_id,
@@ -188,6 +208,18 @@ class RunSummary:
                 }
                 for n in self.nodes.values()
             ],
+            "preemption_window": None
+            if verdict is None
+            else {
+                "save_s": verdict.save_s,
+                "fits": verdict.fits,
+                "windows": [
+                    {"case": c.name, "seconds": c.seconds, "made_of": c.made_of}
+                    for c in verdict.cases
+                ],
+                "unknown": list(verdict.unknown),
+                "problems": verdict.problems(),
+            },
             "slurm": None
             if self.slurm_job is None
             else {
@@ -357,6 +389,8 @@ def summarize_run(
             alive.discard((e.host, e.pid))
             if node.state != "requeued" or e.code != "PREEMPTED_REQUEUED":
                 node.state = _EXIT_STATES.get(e.code, f"exited {e.code}".strip())
+        elif isinstance(e, ev.AgentWindow):
+            out.window = e
         elif isinstance(e, ev.CheckpointSaved):
             out.checkpoint = e
             out.checkpoints.append(e)

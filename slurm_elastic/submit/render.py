@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from slurm_elastic.config import ENV_PREFIX, ElasticConfig, load_config, parse_nnodes
+from slurm_elastic.envvars import SIGNAL_LEAD_ENV
 from slurm_elastic.errors import ConfigError, SlurmError
 from slurm_elastic.slurm.env import SlurmEnv
 from slurm_elastic.slurm.site import EXPEDITED_REQUEUE_SINCE, SlurmVersion
@@ -572,6 +573,8 @@ def template_values(
         for key, value in exported.items()
         if value is not None
     ]
+    # the agent judges whether a checkpoint save fits the notice (slurm_elastic.slurm.window)
+    exports.append(f"export {SIGNAL_LEAD_ENV}={out['signal_lead_s']}")
     env = template["env"]
     if not isinstance(env, Mapping):
         raise ConfigError(f"template value 'env' = {env!r}: expected a mapping NAME: value")

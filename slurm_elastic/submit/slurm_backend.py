@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slurm_elastic.envvars import SIGNAL_LEAD_ENV
 from slurm_elastic.errors import ConfigError, SlurmCommandNotFoundError
 from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.slurm.control import SlurmControl, default_control
@@ -105,6 +106,7 @@ def submitit_parameters(request: JobRequest) -> dict[str, Any]:
         *request.setup_lines,
         *(f"export {k}={shlex.quote(v)}" for k, v in sorted(request.env.items())),
         f"export SUBMITIT_PREEMPT_SIGNAL={request.preempt_signal}",
+        f"export {SIGNAL_LEAD_ENV}={request.signal_lead_s}",
     ]
     return params
 

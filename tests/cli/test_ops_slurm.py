@@ -75,6 +75,15 @@ def test_status_logs_timeline_of_a_slurm_array_run_by_job_id(
     assert {t["ref"]: t["state"] for t in doc["slurm"]["tasks"]}[f"{job.job_id}_0"] == "COMPLETED"
     hosts = {n["host"] for n in doc["nodes"]}
     assert len(hosts) == 2 and all(h.startswith("node") for h in hosts)
+    # the agents read the warning their tasks get: partition low's GraceTime 20 s and
+    # KillWait 5 s (scripts/slurm-cluster), submit's --signal lead (120 s)
+    window = doc["preemption_window"]
+    assert {w["case"]: w["seconds"] for w in window["windows"]} == {
+        "preemption": 25,
+        "time limit": 125,
+        "agent budget": 60,
+    }, window
+    assert window["fits"] is True and window["problems"] == [], window
 
     assert main(["logs", job.job_id, "--rank", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -87,7 +87,9 @@ def test_a_slurm_that_cannot_be_asked_is_refused_with_the_reason() -> None:
 
 def test_a_non_boolean_value_names_the_key() -> None:
     values = {"entrypoint": "t.py", "expedited_requeue": "expedite"}
-    with pytest.raises(ConfigError, match=r"'expedited_requeue' = 'expedite': expected true or false"):
+    with pytest.raises(
+        ConfigError, match=r"'expedited_requeue' = 'expedite': expected true or false"
+    ):
         render.render_template("elastic_array", values)
 
 
