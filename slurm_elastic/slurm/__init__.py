@@ -2,7 +2,9 @@
 
 Modules: :mod:`.env` (``SlurmEnv``: the ``SLURM_*`` environment as a value object),
 :mod:`.hostlist` (hostlist expansion), :mod:`.jobstate` (Slurm's job states, one enum),
-:mod:`.parse` (pure parsers of recorded command output), :mod:`.control` (the
+:mod:`.parse` (pure parsers of recorded command output), :mod:`.site` (the installed
+version, ``scontrol show config``/``partition``), :mod:`.window` (the preemption window:
+does a checkpoint save fit the notice a task gets; pure), :mod:`.control` (the
 ``SlurmControl`` Protocol: submit, query, requeue, cancel) and :mod:`.commands`
 (``SlurmClient``, its implementation behind one subprocess seam).
 
