@@ -214,7 +214,9 @@ def _add_ops_commands(sub: Any) -> None:
     def status(ns: argparse.Namespace) -> int:
         from slurm_elastic.cli.status import run_status
 
-        return run_status(ns.job, as_json=ns.json, watch=ns.watch, interval_s=ns.interval)
+        return run_status(
+            ns.job, as_json=ns.json, watch=ns.watch, interval_s=ns.interval, goodput=ns.goodput
+        )
 
     def logs(ns: argparse.Namespace) -> int:
         from slurm_elastic.cli.logs import run_logs
@@ -231,6 +233,12 @@ def _add_ops_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON document (docs/operability.md)")
     p.add_argument("--watch", action="store_true", help="refresh until the run ends")
     p.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
+    p.add_argument(
+        "--goodput",
+        action="store_true",
+        help="where the run's time went (queue wait, start-up, re-formation, restarts, "
+        "redone steps, checkpoint stalls), from the event log",
+    )
     p.set_defaults(func=status)
 
     p = sub.add_parser("logs", help="per-rank worker logs, across restarts and requeues")

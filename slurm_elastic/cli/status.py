@@ -263,14 +263,34 @@ def run_status(
     interval_s: float = 2.0,
     client: SlurmClient | None = None,
     out: TextIO | None = None,
+    goodput: bool = False,
 ) -> int:
     """``slurm-elastic status``; returns the exit status (0).
 
+    ``goodput``: print where the run's time went instead (:mod:`slurm_elastic.cli.goodput`),
+    from the event log alone.
+
     Raises:
         RunNotFoundError: ``job`` names no run.
+        SlurmElasticError: ``goodput`` with ``watch``.
     """
     stream = sys.stdout if out is None else out
+    if goodput and watch:
+        raise SlurmElasticError("status --goodput takes no --watch: run it again to refresh")
     location = locate(job, client)
+    if goodput:
+        from slurm_elastic.cli.goodput import account, render_goodput
+
+        evs = list(ev.read_events(location.events_dir))
+        summary = summarize_run(location.run_id, str(location.events_dir), evs)
+        result = account(evs, now=None if summary.ended is not None else summary.now)
+        if as_json:
+            doc = {"run_id": location.run_id, "state": summary.state, **result.to_json()}
+            stream.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        else:
+            text = render_goodput(location.run_id, result)  # the run id comes from files
+            stream.write("".join(printable(line) + "\n" for line in text.splitlines()))
+        return 0
     if not watch:
         summary = collect(location, client)
         if as_json:
