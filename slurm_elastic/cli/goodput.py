@@ -251,6 +251,7 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
     done = first.step  # the highest step trained so far
     stalls = _stalls(evs)
     index = _ByKind(evs)
+    rounds: set[int] = set()  # the rounds switched into in place (each rank reports it)
     for a, b in itertools.pairwise(points):
         workers = index.within(a.time, b.time, ev.WorkersStarted)
         in_place = index.within(a.time, b.time, ev.AgentReformedInPlace, ev.LiveReformed)
@@ -269,8 +270,11 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
                 switch = max(switch, e.switch_s)
             else:
                 switch = max(switch, e.stalled_s)
-        if switch:
-            out.reformations += 1
+        rounds.update(
+            e.round
+            for e in index.within(a.time, b.time, ev.LiveReformed)
+            if isinstance(e, ev.LiveReformed)
+        )
         switch = min(switch, gap)
         if b.step <= a.step:  # no step advanced: a switch (a rollback), or nothing named
             out.add(a.time, a.time + switch, "re-formation")
@@ -288,6 +292,7 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
         out.add(stepping_start + redone_s, b.time - stall, "useful")
         out.add(b.time - stall, b.time, "checkpoint stalls")
         done = max(done, b.step)
+    out.reformations = len(rounds)
     out.last_step = max(done, points[-1].step)
     _book_lost(out, points[-1].time, out.end, "wind-down", queue)
     return out
