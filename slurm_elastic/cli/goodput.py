@@ -213,7 +213,9 @@ class _ByKind:
         return sorted(out, key=lambda e: e.time)
 
 
-def _book_lost(out: Goodput, a: float, b: float, category: str, queue: list[tuple[float, float]]):  # type: ignore[no-untyped-def]
+def _book_lost(
+    out: Goodput, a: float, b: float, category: str, queue: list[tuple[float, float]]
+) -> None:
     """Book a..b to ``category``, except the parts in which no agent was alive."""
     cursor = a
     for qa, qb in queue:
@@ -268,7 +270,7 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
         for e in index.within(a.time, b.time, ev.LiveReformed, ev.LiveCollectiveAborted):
             if isinstance(e, ev.LiveReformed):
                 switch = max(switch, e.switch_s)
-            else:
+            elif isinstance(e, ev.LiveCollectiveAborted):
                 switch = max(switch, e.stalled_s)
         rounds.update(
             e.round

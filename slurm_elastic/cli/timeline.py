@@ -6,7 +6,10 @@ Three panels sharing the time axis (minutes since the run's first event):
    world (coloured by the world's size in nodes), marks for restarts, preemption
    notices, requeues, evictions and hangs, and a thin line per committed checkpoint;
 2. **world size** (nodes) over time;
-3. **throughput** (steps/s from the training's progress reports).
+3. **throughput** (steps/s from the training's progress reports);
+4. **where the time went** (``status --goodput``, :mod:`slurm_elastic.cli.goodput`): one
+   band coloured by what each stretch of wall-clock time was spent on, the seconds of
+   each category in the legend.
 
 Needs matplotlib (the ``plot`` extra: ``pip install 'slurm-elastic[plot]'``).
 """
@@ -18,6 +21,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+from slurm_elastic.cli.goodput import CATEGORIES, Goodput, account
 from slurm_elastic.cli.runs import locate
 from slurm_elastic.cli.summary import RunSummary
 from slurm_elastic.cli.untrusted import printable
@@ -35,6 +39,25 @@ _MARKS = {  # what -> (marker, colour, label)
 }
 
 
+_GOODPUT_COLOURS = dict(
+    zip(
+        CATEGORIES,
+        (
+            "#2ca02c",  # useful
+            "#7f7f7f",  # queue wait
+            "#1f77b4",  # start-up
+            "#ff7f0e",  # re-formation
+            "#d62728",  # restarts
+            "#9467bd",  # redone steps
+            "#8c564b",  # checkpoint stalls
+            "#c7c7c7",  # wind-down
+            "#e377c2",  # other
+        ),
+        strict=True,
+    )
+)
+
+
 def _world_colour(nodes: int, most: int) -> Any:
     import matplotlib
 
@@ -42,8 +65,13 @@ def _world_colour(nodes: int, most: int) -> Any:
     return cmap(0.1 + 0.8 * (nodes / max(1, most)))
 
 
-def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
+def draw_timeline(
+    s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None = None
+) -> None:
     """Draw the timeline of a summarized run into ``output`` (PNG, SVG, PDF by suffix).
+
+    ``goodput`` (the run's :func:`~slurm_elastic.cli.goodput.account`) adds the panel of
+    where the time went.
 
     Host names, run ids and states come from the run's files: they are drawn literally
     (no ``$...$`` mathtext, which raises on a name it cannot parse; control characters
@@ -62,10 +90,10 @@ def draw_timeline(s: RunSummary, output: str | os.PathLike[str]) -> None:
             "timeline needs matplotlib: pip install 'slurm-elastic[plot]'"
         ) from exc
     with plt.rc_context({"text.parse_math": False}):
-        _draw(s, output)
+        _draw(s, output, goodput)
 
 
-def _draw(s: RunSummary, output: str | os.PathLike[str]) -> None:
+def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -85,14 +113,16 @@ def _draw(s: RunSummary, output: str | os.PathLike[str]) -> None:
     nodes = list(s.nodes.values())
     most = max([n for _, n in s.world_series] + [1])
     lane_h = 0.6
-    fig_h = 2.4 + 0.45 * max(len(nodes), 1) + 3.2
-    fig, (ax_n, ax_w, ax_t) = plt.subplots(
-        3,
+    fig_h = 2.4 + 0.45 * max(len(nodes), 1) + 3.2 + (0.9 if goodput is not None else 0.0)
+    ratios = [max(2.0, 0.55 * len(nodes) + 0.8), 1.2, 1.4] + ([0.7] if goodput else [])
+    fig, axes = plt.subplots(
+        len(ratios),
         1,
         sharex=True,
         figsize=(11, fig_h),
-        gridspec_kw={"height_ratios": [max(2.0, 0.55 * len(nodes) + 0.8), 1.2, 1.4]},
+        gridspec_kw={"height_ratios": ratios},
     )
+    ax_n, ax_w, ax_t = axes[0], axes[1], axes[2]
     title = printable(f"run {s.run_id}: {s.state}, {span_min:.1f} min")
     if s.step is not None:
         title += f", step {s.step}" + (f"/{s.total_steps}" if s.total_steps else "")
@@ -198,8 +228,36 @@ def _draw(s: RunSummary, output: str | os.PathLike[str]) -> None:
     ax_t.set_ylabel("steps/s")
     ax_t.set_title("throughput", loc="left", fontsize=10)
     ax_t.grid(alpha=0.3)
-    ax_t.set_xlabel("minutes since the run started")
-    ax_t.set_xlim(-span_min * 0.01, span_min * 1.01)
+    last = ax_t
+    if goodput is not None and goodput.start is not None:
+        last = axes[3]
+        for cat in CATEGORIES:
+            bars = [
+                (m(sp.start), m(sp.end) - m(sp.start)) for sp in goodput.spans if sp.category == cat
+            ]
+            if bars:
+                last.broken_barh(bars, (0, 1), facecolors=_GOODPUT_COLOURS[cat])
+        last.set_yticks([])
+        last.set_ylim(0, 1)
+        last.set_title(
+            f"where the time went (status --goodput): useful {goodput.seconds['useful']:.0f} s"
+            f" of {goodput.total_s:.0f} s",
+            loc="left",
+            fontsize=10,
+        )
+        last.legend(
+            handles=[
+                Patch(facecolor=_GOODPUT_COLOURS[c], label=f"{c} {goodput.seconds[c]:.1f} s")
+                for c in CATEGORIES
+                if goodput.seconds[c] > 0
+            ],
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.3),
+            fontsize=7,
+            frameon=False,
+        )
+    last.set_xlabel("minutes since the run started")
+    last.set_xlim(-span_min * 0.01, span_min * 1.01)
     fig.tight_layout()
     fig.savefig(output, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -226,8 +284,14 @@ def run_timeline(
             f"-o {output!r}: directory {directory!r} does not exist; create it or choose "
             "another path"
         )
-    summary = collect(locate(job, client), client)
-    draw_timeline(summary, output)
+    from slurm_elastic import events as ev
+
+    location = locate(job, client)
+    summary = collect(location, client)
+    goodput = account(
+        ev.read_events(location.events_dir), now=None if summary.ended is not None else summary.now
+    )
+    draw_timeline(summary, output, goodput)
     stream = sys.stdout if out is None else out
     stream.write(f"{os.path.abspath(output)}\n")
     return 0
