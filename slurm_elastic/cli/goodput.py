@@ -251,7 +251,7 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
     _book_lost(out, out.start, first.time, "start-up", queue)
     out.first_step = first.step
     done = first.step  # the highest step trained so far
-    stalls = _stalls(evs)
+    stalls = _Stalls(evs)
     index = _ByKind(evs)
     rounds: set[int] = set()  # the rounds switched into in place (each rank reports it)
     for a, b in itertools.pairwise(points):
@@ -284,7 +284,7 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
             continue
         stepping_start = a.time + switch
         out.add(a.time, stepping_start, "re-formation")
-        stall = min(sum(stalls.pop(s, 0.0) for s in range(a.step, b.step)), b.time - stepping_start)
+        stall = min(stalls.take(a.step, b.step), b.time - stepping_start)
         stepping = b.time - stepping_start - stall
         steps = b.step - a.step
         redone = max(0, min(b.step, done) - a.step)
@@ -300,14 +300,27 @@ def account(events: Iterable[ev.Event], now: float | None = None) -> Goodput:
     return out
 
 
-def _stalls(evs: Sequence[ev.Event]) -> dict[int, float]:
-    """Step -> how long its save blocked training (the longest report for the step)."""
-    out: dict[int, float] = {}
-    for e in evs:
-        if isinstance(e, ev.CheckpointSaved):
-            stall = e.stall_seconds if e.stall_seconds is not None else e.seconds
-            out[e.step] = max(out.get(e.step, 0.0), max(0.0, stall))
-    return out
+class _Stalls:
+    """How long each step's save blocked training (the longest report for the step),
+    taken once per step by the stretch of steps it falls in."""
+
+    def __init__(self, evs: Sequence[ev.Event]) -> None:
+        by_step: dict[int, float] = {}
+        for e in evs:
+            if isinstance(e, ev.CheckpointSaved):
+                stall = e.stall_seconds if e.stall_seconds is not None else e.seconds
+                by_step[e.step] = max(by_step.get(e.step, 0.0), max(0.0, stall))
+        self._steps = sorted(by_step)
+        self._by_step = by_step
+
+    def take(self, first: int, stop: int) -> float:
+        """The stalls of the saves at steps ``first`` <= step < ``stop`` (bisection: the
+        steps come from files, a range over them could be astronomically long)."""
+        lo = bisect.bisect_left(self._steps, first)
+        hi = bisect.bisect_left(self._steps, stop)
+        taken = sum(self._by_step[s] for s in self._steps[lo:hi])
+        del self._steps[lo:hi]
+        return taken
 
 
 def render_goodput(run_id: str, g: Goodput) -> str:

@@ -122,3 +122,20 @@ def test_a_whole_job_requeue_books_queue_wait_while_no_agent_is_alive() -> None:
     assert g.seconds["restarts"] == 4.0 and g.seconds["start-up"] == 5.0
     assert g.seconds["useful"] == 20.0 and g.seconds["wind-down"] == 1.0
     assert sum(g.seconds.values()) == g.total_s == 133.0
+
+
+def test_hostile_step_numbers_do_not_make_the_accounting_loop() -> None:
+    """Steps come from files anyone in the run directory could write: a step of 2**62 must
+    cost no more than any other (no loop over the step range)."""
+    huge = 2**62
+    evs = [
+        ev.AgentStart(time=0.0, host="h", pid=1),
+        ev.TrainStart(time=1.0, host="h", pid=2, step=0),
+        ev.CheckpointSaved(time=2.0, host="h", pid=2, step=huge // 2, stall_seconds=0.5),
+        ev.TrainProgress(time=3.0, host="h", pid=2, step=huge),
+        ev.TrainStart(time=4.0, host="h", pid=3, step=-huge),
+        ev.TrainProgress(time=5.0, host="h", pid=3, step=huge),
+    ]
+    g = account(evs)
+    assert sum(g.seconds.values()) == pytest.approx(g.total_s) == 5.0
+    assert g.seconds["checkpoint stalls"] == 0.5
