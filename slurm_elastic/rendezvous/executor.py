@@ -221,7 +221,6 @@ class OpLoop:
         board = self._board
         if board is None:
             raise RuntimeError("join by intent without an intent board")
-        me = IntentBoard.name(self._node)
         if self._posted_at is None:
             board.post(self._node)
             self._posted_at = time.monotonic()
