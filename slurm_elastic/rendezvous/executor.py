@@ -221,7 +221,6 @@ class OpLoop:
         board = self._board
         if board is None:
             raise RuntimeError("join by intent without an intent board")
-        me = IntentBoard.name(self._node)
         if self._posted_at is None:
             board.post(self._node)
             self._posted_at = time.monotonic()
@@ -245,12 +244,18 @@ class OpLoop:
                 )
                 return
         else:
-            # Takeover (the claim's winner died): staggered by position, one goes first.
-            names = board.names()
-            position = names.index(me) if me in names else len(names)
-            start = takeover_at + 0.02 * position
-            if time.monotonic() < start:
-                self._wait_for_change(view, gen, deadline, horizon=start - time.monotonic())
+            # Takeover (the claim's winner died, or is slow): one more claim per slot of
+            # the takeover time (wall-clock slots, the same on every node), so one node
+            # merges per slot. No listing to find a turn: with N nodes pending, N
+            # listings of N names after every merge was a formation-long O(N^2) storm.
+            # A slow winner and a taker-over both merging is a compare-and-set race.
+            slot_s = self._timing.takeover_s
+            slot = int(time.time() // slot_s)
+            if not board.claim(gen, slot=slot):
+                next_slot = (slot + 1) * slot_s - time.time()
+                self._wait_for_change(
+                    view, gen, deadline, horizon=max(self._timing.poll_s, next_slot)
+                )
                 return
         board.release_claims(below=gen)
         # Gather: merge once the batch stops growing for a poll interval, or holds every

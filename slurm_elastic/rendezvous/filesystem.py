@@ -123,8 +123,8 @@ def _unsafe(path: str, st: os.stat_result, *, level: str) -> str | None:
     if writable and level != "anchor" and not sticky_ok:
         return (
             f"{path!r} has mode {stat.S_IMODE(st.st_mode):04o}, writable by group/others: "
-            "someone else could swap what is below it (the state is unpickled, so this "
-            f"allows code execution). Fix: chmod go-w {path!r}"
+            "someone else could swap what is below it (and so rewrite the rendezvous "
+            f"state). Fix: chmod go-w {path!r}"
         )
     return None
 
@@ -139,17 +139,27 @@ class SafeDir:
         path: the path it was opened as (for messages only; never re-resolved).
     """
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path | str) -> None:
         self.fd = fd
-        self.path = path
+        self._path = os.fspath(path)  # a string: Path objects cost more than the syscalls
+        self._path_obj: Path | None = None
         self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @property
+    def path(self) -> Path:
+        if self._path_obj is None:
+            self._path_obj = Path(self._path)
+        return self._path_obj
+
+    def _child(self, name: str) -> str:
+        return f"{self._path.rstrip('/')}/{name}"
 
     def close(self) -> None:
         """Close the descriptor (idempotent)."""
         self._finalizer()
 
     def __repr__(self) -> str:
-        return f"SafeDir({str(self.path)!r})"
+        return f"SafeDir({self._path!r})"
 
     # -- opening -----------------------------------------------------------------------
 
@@ -243,7 +253,7 @@ class SafeDir:
         """
         if "/" in name or name in ("", ".", ".."):
             raise ValueError(f"{name!r} is not a single path component")
-        path = self.path / name
+        path = self._child(name)
         created = False
         while True:
             FS_OPS.add("open")
@@ -284,7 +294,7 @@ class SafeDir:
             # mkdir's mode is filtered by the umask and may inherit setgid/ACL bits.
             os.fchmod(fd, 0o700)
             st = os.fstat(fd)
-        problem = _unsafe(str(path), st, level=level)
+        problem = _unsafe(path, st, level=level)
         if problem:
             child.close()
             raise RendezvousSetupError(f"unsafe rendezvous directory: {problem}")
@@ -410,7 +420,7 @@ class SafeDir:
             return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EISDIR, f"{self.path / name} is not a regular file")
+                raise OSError(errno.EISDIR, f"{self._child(name)} is not a regular file")
             chunks: list[bytes] = []
             size = 0
             while True:
@@ -421,7 +431,7 @@ class SafeDir:
                 size += len(chunk)
                 FS_OPS.add_bytes(len(chunk))
                 if size > limit:
-                    raise OSError(errno.EFBIG, f"{self.path / name} is larger than {limit} bytes")
+                    raise OSError(errno.EFBIG, f"{self._child(name)} is larger than {limit} bytes")
             return b"".join(chunks)
         finally:
             os.close(fd)
@@ -438,7 +448,7 @@ class SafeDir:
             return None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise OSError(errno.EISDIR, f"{self.path / name} is not a regular file")
+            raise OSError(errno.EISDIR, f"{self._child(name)} is not a regular file")
         return fd
 
     def exists(self, name: str) -> bool:

@@ -64,6 +64,7 @@ from slurm_elastic.rendezvous.executor import OpLoop, Timing
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
 from slurm_elastic.rendezvous.join_intents import IntentBoard
 from slurm_elastic.rendezvous.options import RendezvousOptions
+from slurm_elastic.rendezvous.resolver import check_reverse_lookup_once
 from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
 from slurm_elastic.rendezvous.state import PARTICIPANTS, WAITING, Node, encode_state, ring_after
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
@@ -154,6 +155,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
         self._incarnation = incarnation
         self._options = options
         self._local_addr = local_addr
+        check_reverse_lookup_once(local_addr)  # torch's store connections wait on it
         self._node_name = self._node.name
         self._monitor = HeartbeatMonitor(
             epoch.hb,

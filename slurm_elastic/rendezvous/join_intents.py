@@ -12,8 +12,9 @@ each node exactly what its own join would decide); the losers only poll ``head``
 (nobody else lists the directory). Merged nodes see themselves in the state and
 withdraw their intent (one ``unlink``). Nodes still pending after a merge claim the
 next generation. A claimant that dies is replaced: a node pending for longer than the
-takeover delay merges too (a compare-and-set race at worst, never a fork). Each winner
-removes the claims of older generations.
+takeover delay claims ``intents/.merge.<generation>.<slot>`` (one winner per slot of the
+takeover delay) and merges (a compare-and-set race with a slow first winner at worst,
+never a fork). Each winner removes the claims of older generations.
 """
 
 from __future__ import annotations
@@ -62,23 +63,25 @@ class IntentBoard:
         return sorted(n for n in self._dir.listdir() if not n.startswith("."))
 
     @staticmethod
-    def _claim_name(generation: int) -> str:
-        return f".merge.{generation}"
+    def _claim_name(generation: int, slot: int | None) -> str:
+        return f".merge.{generation}" if slot is None else f".merge.{generation}.{slot}"
 
-    def claim(self, generation: int) -> bool:
+    def claim(self, generation: int, *, slot: int | None = None) -> bool:
         """Claim the merge of the intents pending at state ``generation`` (one ``mkdir``).
 
         Exactly one caller per generation wins; the others wait for the merge instead
         of listing the directory (N pending nodes each listing N intents is O(N^2)).
+        ``slot``: a takeover's claim (one winner per generation and slot), made when
+        the first winner has not merged within the takeover time.
         """
-        return self._dir.claim(self._claim_name(generation))
+        return self._dir.claim(self._claim_name(generation, slot))
 
     def release_claims(self, below: int) -> None:
         """Remove the merge claims of generations older than ``below`` (one listing)."""
         for name in self._dir.listdir():
             if name.startswith(".merge."):
                 try:
-                    old = int(name[7:])
+                    old = int(name[7:].split(".", 1)[0])
                 except ValueError:
                     continue
                 if old < below:

@@ -134,13 +134,23 @@ class Epoch:
 
     def __init__(self, directory: SafeDir, number: int) -> None:
         self.dir = directory
-        self.path = directory.path
         self.number = number
-        self.hb_dir = self.path / "hb"
-        self.keys_dir = self.path / "keys"
         self._hb: SafeDir | None = None
         self._keys: SafeDir | None = None
         self._intents: SafeDir | None = None
+
+    @property
+    def path(self) -> Path:
+        """The epoch directory's path (for messages)."""
+        return self.dir.path
+
+    @property
+    def hb_dir(self) -> Path:
+        return self.path / "hb"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.path / "keys"
 
     @property
     def hb(self) -> SafeDir:

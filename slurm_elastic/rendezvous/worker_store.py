@@ -156,8 +156,9 @@ class WorkerStoreOwner:
             self._store = server
             self._epoch.publish_store(round_, self._node, self._addr, server.port, members)
             return dist.PrefixStore(prefix, server), RendezvousStoreInfo(self._addr, server.port)
-        # Spread the clients' connects: a burst of a few dozen simultaneous connects
-        # makes some of them stall ~5 s inside TCPStore (measured: 31 at once).
+        # Spread the clients' connects (up to 0.5 s): each one makes torch look up the
+        # store's name by reverse DNS (resolver.py), and a resolver that drops a burst
+        # of queries costs 5 s per lost one (measured here: 31 connects at once).
         time.sleep(_CONNECT_SPREAD_S * ((rank - 1) % 50))
         delay = 0.01
         last_check = time.monotonic()

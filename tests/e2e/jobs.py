@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 from slurm_elastic.events import read_events
 from slurm_elastic.submit.render import render_template
+from tests.helpers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -58,18 +58,23 @@ def rounds(state: Path, run_id: str, since: float = 0.0) -> list[dict[str, Any]]
     return [e for e in agent_events(state, run_id) if e["kind"] in kinds and e["time"] >= since]
 
 
-def effective_ledger(path: Path) -> dict[int, list[int]]:
+def effective_ledger(path: Path, *, so_far: bool = False) -> dict[int, list[int]]:
     """Samples that made it into the final model, per epoch.
 
     Steps done by a group of workers that was stopped before its next checkpoint are
     done again by the next group; the later attempt of a step is the one that counts.
+    ``so_far``: while the run trains, only the steps up to the newest record's step
+    count (an older attempt's steps beyond it are still to be redone by the current one).
     """
     by_step: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = defaultdict(dict)
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    records = read_jsonl(path)
+    for rec in records:
         by_step[(rec["epoch"], rec["step"])].setdefault(rec["attempt"], []).append(rec)
+    newest = max(records, key=lambda r: r["time"], default=None)
     per_epoch: dict[int, list[int]] = defaultdict(list)
-    for (epoch, _step), attempts in sorted(by_step.items()):
+    for (epoch, step), attempts in sorted(by_step.items()):
+        if so_far and newest is not None and (epoch, step) > (newest["epoch"], newest["step"]):
+            continue
         last = max(attempts.values(), key=lambda recs: max(r["time"] for r in recs))
         for rec in last:
             per_epoch[epoch].extend(rec["indices"])

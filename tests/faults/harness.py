@@ -421,6 +421,44 @@ class FaultRun:
         diff = max_abs_diff(self.tmp / "params.pt", reference(tmp_root, self.train_args))
         assert diff < ATOL, f"final parameters differ by {diff} from the uninterrupted run"
 
+    def check_interim(self, case: str) -> None:
+        """A case's own end state, right after its recovery (a later case could repair
+        damage it did, so the run's end checks alone would not see it): no orphan
+        worker, at most one agent per running task, no sample used twice in an epoch so
+        far, and the newest committed checkpoint verifies."""
+
+        def process_problems() -> list[str]:
+            procs = processes_mentioning(str(self.tmp))
+            agents = [p for p in procs if "slurm_elastic.cli.main agent" in p.cmdline]
+            pids = {a.pid for a in agents}
+            orphans = [p for p in procs if "paced_train.py" in p.cmdline and p.ppid not in pids]
+            running = {i.array_task_id for i in self.infos() if i.state == JobState.RUNNING}
+            tasks = [a.task for a in agents]
+            doubled = sorted({str(t) for t in tasks if tasks.count(t) > 1})
+            stray = sorted({str(t) for t in tasks if t not in running})
+            return [
+                *([f"workers without their agent: {orphans}"] if orphans else []),
+                *([f"two agents of task(s) {doubled}: {agents}"] if doubled else []),
+                *([f"agents of tasks not RUNNING {stray}: {agents}"] if stray else []),
+            ]
+
+        # An agent that was told to go may still be exiting: its state, not its speed.
+        problems: list[str] = []
+
+        def settled() -> bool:
+            problems[:] = process_problems()
+            return not problems
+
+        try:
+            wait_for(settled, 60, f"the processes to settle after {case}", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"after {case}: {'; '.join(problems)}") from exc
+        for epoch, seen in effective_ledger(self.tmp / "ledger.jsonl", so_far=True).items():
+            twice = len(seen) - len(set(seen))
+            assert not twice, f"after {case}: {twice} sample(s) used twice in epoch {epoch}"
+        newest = CheckpointManager(self.checkpoint_dir).latest_verified(deep=True)
+        assert newest is not None, f"after {case}: no committed checkpoint verifies"
+
 
 class Scenario:
     """Runs faults in sequence on one job and records each case's outcome.
@@ -453,10 +491,15 @@ class Scenario:
             self.outcomes[name] = None
         self.seconds[name] = time.monotonic() - start
 
-    def run(self, name: str, body: Callable[[], None]) -> None:
+    def run(
+        self, name: str, body: Callable[[], None], after: Callable[[str], None] | None = None
+    ) -> None:
+        """Run case ``name``; then ``after(name)``: the case's own end checks."""
         with self.case(name):
             if self.broken is None or self.broken == name:
                 body()
+                if after is not None:
+                    after(name)
 
     def check(self, name: str) -> None:
         """Assert case ``name`` held, and the run's end invariants too."""

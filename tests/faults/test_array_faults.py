@@ -4,8 +4,10 @@ sequence; after each one the test waits until all 3 workers train again in a lat
 (requeueing a task by hand where the fault ends a task
 and nothing in Slurm brings it back, as a user would), then injects the next.
 
-Every case is its own test; each asserts its own case held *and* the end invariants
-(tests/faults/harness.py): the job completed, the last checkpoint verifies, every sample
+Every case is its own test; each asserts its own case held, its own end state right
+after its recovery (``FaultRun.check_interim``: no orphan worker, one agent per running
+task, no sample twice in an epoch so far, the newest checkpoint verifies), *and* the
+end invariants (tests/faults/harness.py): the job completed, the last checkpoint verifies, every sample
 was used exactly once per epoch, the final parameters match an uninterrupted run, and
 nothing is left in the queue or the process table.
 """
@@ -228,7 +230,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         ("scancel_task", scancel_task),
         ("scontrol_missing_slurm_requeues", scontrol_missing),
     ]:
-        sc.run(name, body)
+        sc.run(name, body, after=run.check_interim)
 
     infos = run.finish()
     states = {i.array_task_id: i.state for i in infos}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ from tests.rendezvous.harness import NodeProc, check_world, rdzv_all
 CONF = {"join_timeout": "60", "heartbeat_interval": "0.25", "heartbeat_miss_limit": "4"}
 
 
-def _form_in_threads(root: Path, n: int) -> tuple[list[Any], dict[str, int]]:
+def _form_in_threads(
+    root: Path, n: int, before: Callable[[], None] | None = None
+) -> tuple[list[Any], dict[str, int]]:
     handlers = [
         create_handler(
             RendezvousParameters("slurm", str(root), "run", n, n, local_addr="10.0.0.1", **CONF),
@@ -43,6 +46,8 @@ def _form_in_threads(root: Path, n: int) -> tuple[list[Any], dict[str, int]]:
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
+    if before is not None:
+        before()
     fs.FS_OPS.reset()
     start.set()
     for t in threads:
@@ -78,6 +83,22 @@ def test_a_claimant_that_died_before_merging_is_taken_over(tmp_path: Path) -> No
     finally:
         for node in made:
             node.close()
+
+
+def test_taking_over_a_dead_claimant_lists_nothing_per_node(tmp_path: Path) -> None:
+    """64 nodes pending behind a claimant that died (its claim of generation 0 made, no
+    merge): after the takeover time one node per slot merges; the others do not list
+    the intents to find their turn (64 listings of 64 names after every merge, at 4,096
+    nodes a formation that never ended on a loaded machine)."""
+
+    def dead_claimant() -> None:
+        (next((tmp_path / "run").glob("epoch.*")) / "intents" / ".merge.0").mkdir(mode=0o700)
+
+    started = time.monotonic()
+    ranks, ops = _form_in_threads(tmp_path, 64, before=dead_claimant)
+    assert sorted(ranks) == list(range(64)), ranks
+    assert time.monotonic() - started >= 0.9  # the takeover time (4 x 0.25 s) passed
+    assert ops.get("listdir", 0) <= 16, ops
 
 
 def test_merge_claims_stay_bounded_over_rounds(tmp_path: Path) -> None:
