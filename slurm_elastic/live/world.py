@@ -126,6 +126,7 @@ class LiveWorld:
         self._ddp: nn.Module | None = None
         self._watch: control.AssignmentWatch | None = None
         self._pending: _Pending | None = None
+        self._store: Any = None  # the current group's store (see _join)
         self._failed_rounds: set[int] = set()
         # gloo cannot abort a collective that waits on a silently dead peer; the guard
         # ends it once the agent assigns a round without that peer (live/abort.py).
@@ -264,6 +265,10 @@ class LiveWorld:
 
     def _join(self, a: control.Assignment, store: Any) -> None:
         before = connected_sockets() if self._guard is not None else frozenset()
+        # Keep the Python store alive as long as the group: torch holds only its C++
+        # half, so a later new_group (an HSDP mesh's subgroups) would call a store whose
+        # Python methods are gone ("Not implemented" from PythonStore::set).
+        self._store = store
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg", store),
@@ -291,6 +296,7 @@ class LiveWorld:
         if group is not None:
             dist.destroy_process_group()
         del group, held
+        self._store = None
 
     def beat(self) -> None:
         """A step boundary passed on the current group (for the stall guard)."""
