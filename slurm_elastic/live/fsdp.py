@@ -231,11 +231,13 @@ class ShardedModel:
                 param = params[name]
                 state: dict[str, Any] = {}
                 for key, value in entry.items():
-                    if isinstance(value, torch.Tensor) and isinstance(param, DTensor) and (
-                        tuple(value.shape) == tuple(param.shape) and value.dim() > 0
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and isinstance(param, DTensor)
+                        and (tuple(value.shape) == tuple(param.shape) and value.dim() > 0)
                     ):
                         state[key] = distribute_tensor(
-                            value.to(param.dtype) if value.dtype != param.dtype else value,
+                            value,
                             param.device_mesh,
                             param.placements,
                             src_data_rank=None,  # every rank holds the full value
@@ -264,8 +266,7 @@ class ShardedModel:
                     if not entry:
                         continue
                     optimizer["state"][names[id(param)]] = {
-                        k: _full(v) if isinstance(v, torch.Tensor) else v
-                        for k, v in entry.items()
+                        k: _full(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()
                     }
         self._full, self._fresh = {"model": model, "optimizer": optimizer}, True
 
@@ -330,7 +331,7 @@ class ShardedModel:
         tensor. Model: exactly this model's keys, each with its full shape and dtype.
         Optimizer: this optimizer's parameter groups (same FQNs, no tensors among the
         hyperparameters); each state entry names one of its parameters and each tensor
-        has that parameter's shape (a scalar, e.g. Adam's ``step``, is allowed).
+        has that parameter's shape and dtype (a scalar, e.g. Adam's ``step``, is allowed).
 
         Raises:
             StateExchangeError: names the first difference.
@@ -368,8 +369,13 @@ class ShardedModel:
                 raise _refuse(f"optimizer.state[{name!r}]", "not a parameter of this model")
             dtype, shape = self._params[name]
             for key, value in entry.items():
-                if isinstance(value, exchange.TensorSpec) and value.shape not in ((), shape):
+                if (
+                    isinstance(value, exchange.TensorSpec)
+                    and value.shape != ()
+                    and (value.shape != shape or value.dtype != dtype)
+                ):
                     raise _refuse(
                         f"optimizer.state[{name!r}][{key!r}]",
-                        f"shape {list(value.shape)}, the parameter has {list(shape)}",
+                        f"{value.dtype} {list(value.shape)}, the parameter is {dtype} "
+                        f"{list(shape)}",
                     )
