@@ -30,8 +30,7 @@ from torch import nn
 
 from slurm_elastic import notice
 from slurm_elastic.checkpoint import CheckpointManager, ElasticSampler, loss_scale
-from slurm_elastic.live import ElasticSession
-from slurm_elastic.live.fsdp import FSDPConfig
+from slurm_elastic.live import ElasticSession, FSDPConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
