@@ -112,12 +112,16 @@ def test_fsdp_graceful_leave_reshards_in_place(
     _assert_close_to_reference(tmp_path)
 
 
-def test_fsdp_hard_loss_restarts_from_checkpoint(tmp_path: Path, nodes: list[LiveRun]) -> None:
+@pytest.mark.parametrize("hsdp", HSDP)
+def test_fsdp_hard_loss_restarts_from_checkpoint(
+    tmp_path: Path, nodes: list[LiveRun], hsdp: str
+) -> None:
     """No in-place path for lost shards: the survivors' workers stop with
-    ShardsLostError, the agent restarts them and they resume from the newest checkpoint."""
+    ShardsLostError, the agent restarts them and they resume from the newest checkpoint
+    (with HSDP too: the surviving replica is not used yet)."""
     restarts = ("--max-restarts", "2")
-    a = _node(tmp_path, "fsdp-hard", "a", "1", restarts)
-    b = _node(tmp_path, "fsdp-hard", "b", "1", restarts)
+    a = _node(tmp_path, f"fsdp-hard-{hsdp}", "a", hsdp, restarts)
+    b = _node(tmp_path, f"fsdp-hard-{hsdp}", "b", hsdp, restarts)
     nodes += [a, b]
     _world_of_4(tmp_path)
     a_pids = a.worker_pids()
