@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from slurm_elastic.live.fsdp import FSDPConfig, ShardsLostError
     from slurm_elastic.live.loop import ElasticLoop, ReformTimeoutError, Step, is_peer_failure
     from slurm_elastic.live.session import ElasticSession, StepInfo
     from slurm_elastic.live.state import ElasticState
@@ -36,7 +37,9 @@ __all__ = [
     "ElasticLoop",
     "ElasticSession",
     "ElasticState",
+    "FSDPConfig",
     "ReformTimeoutError",
+    "ShardsLostError",
     "Step",
     "StepInfo",
     "is_peer_failure",
@@ -52,6 +55,10 @@ def __getattr__(name: str) -> Any:
         from slurm_elastic.live import session
 
         return getattr(session, name)
+    if name in ("FSDPConfig", "ShardsLostError"):
+        from slurm_elastic.live import fsdp
+
+        return getattr(fsdp, name)
     if name == "ElasticState":
         from slurm_elastic.live.state import ElasticState
 

@@ -82,6 +82,7 @@ from slurm_elastic.checkpoint import (
 )
 from slurm_elastic.checkpoint.sampler import rank_share
 from slurm_elastic.live import control
+from slurm_elastic.live.fsdp import STATE_KEY, FSDPConfig, ShardedModel
 from slurm_elastic.live.state import ElasticState
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
 
@@ -162,9 +163,13 @@ class ElasticSession:
             this long (and 3x the longest recent step) once the agent assigns a round
             formed after a member was lost (:mod:`~slurm_elastic.live.abort`).
             ``None``: wait for ``timeout_s``.
+        fsdp: shard the model with FSDP2 (or HSDP) instead of wrapping it in DDP, and
+            re-shard it in place on every change (:mod:`~slurm_elastic.live.fsdp`);
+            ``model`` is the unsharded model, ``optimizer`` built on its parameters.
 
     Raises:
-        ValueError: ``commit_every`` < 0 or ``stall_abort_s`` not positive.
+        ValueError: ``commit_every`` < 0 or ``stall_abort_s`` not positive, or ``fsdp``
+            with ``commit_every`` or ``async_commit``.
         TypeError: a ``stateful`` object without ``state_dict``/``load_state_dict``.
     """
 
@@ -192,18 +197,25 @@ class ElasticSession:
         save_each_epoch: bool = False,
         async_commit: bool = False,
         stall_abort_s: float | None = 1.0,
+        fsdp: FSDPConfig | None = None,
     ) -> None:
         if commit_every < 0:
             raise ValueError(f"commit_every={commit_every} must be >= 0 (0: no periodic copy)")
         if stall_abort_s is not None and not stall_abort_s > 0:
             raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
+        #: FSDP2/HSDP: the sharded model and its full state across worlds (else None)
+        self.sharded: ShardedModel | None = None
+        if fsdp is not None:
+            self.sharded, model, optimizer, stateful = _sharded_parts(
+                fsdp, model, optimizer, stateful, commit_every, async_commit
+            )
         self.state = ElasticState(
             model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, offset=0
         )
         # Whether an optimizer stepped inside the current ``with step():`` block: without
         # periodic commits, a failure after that counts the step as done (see _failed).
         self._stepped = False
-        for opt in (optimizer, *(stateful or {}).values()):
+        for opt in (optimizer, self.sharded and self.sharded.optimizer, *(stateful or {}).values()):
             if isinstance(opt, torch.optim.Optimizer):
                 opt.register_step_post_hook(self._on_optimizer_step)
         self.sampler = ElasticSampler(
@@ -250,6 +262,7 @@ class ElasticSession:
             reform_timeout_s=reform_timeout_s,
             in_place=self.in_place,
             stall_abort_s=stall_abort_s,
+            sharding=self.sharded,
         )
         #: the loop over the current loader must end: the world changed (a switch or a
         #: recovery), the epoch ended, or this node left (:attr:`left`)
@@ -575,6 +588,8 @@ class ElasticSession:
             events.emit(events.LiveLeft(step=self.step_count, after="everyone_leaves"))
             return "left"
         if ready_max > 0 and ready_min == ready_max:
+            if self.sharded is not None:  # every rank of the old world, leavers too
+                self.sharded.gather()
             if leaving:
                 events.emit(events.LiveLeft(step=self.step_count, after="switch"))
                 return "left"
@@ -617,8 +632,10 @@ class ElasticSession:
             if blocking:
                 self.checkpoint.flush()
             return
+        if self.sharded is not None:
+            self.sharded.gather()  # collective: the full state goes into the bundle
         bundle = training_state(
-            self.model,
+            self.state.model,
             self.state.optimizer,
             self.state.scheduler,
             step=self.step_count,
@@ -630,3 +647,25 @@ class ElasticSession:
         )
         self.checkpoint.save(bundle, self.step_count, blocking=blocking)
         self._saved_step = self.step_count
+
+
+def _sharded_parts(
+    config: FSDPConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: Mapping[str, Any] | None,
+    commit_every: int,
+    async_commit: bool,
+) -> tuple[ShardedModel, nn.Module, None, dict[str, Any]]:
+    """FSDP: the sharded model's full state is one registered object; the state itself
+    holds an empty module and no optimizer (both live in the :class:`ShardedModel`)."""
+    if commit_every or async_commit:
+        raise ValueError(
+            f"commit_every={commit_every}, async_commit={async_commit}: with fsdp=... the "
+            "state is gathered only at changes and checkpoints; use commit_every=0, "
+            "async_commit=False"
+        )
+    if STATE_KEY in (stateful or {}):
+        raise ValueError(f"stateful[{STATE_KEY!r}] is reserved with fsdp=...: rename it")
+    sharded = ShardedModel(config, model, optimizer)
+    return sharded, nn.Module(), None, {**(stateful or {}), STATE_KEY: sharded}

@@ -360,5 +360,7 @@ class ElasticState:
             for name, obj in self.stateful.items():
                 if isinstance(obj, torch.optim.Optimizer):
                     _match_optimizer(state["stateful"][name], obj, f"stateful[{name!r}]")
+                elif callable(getattr(obj, "check_state", None)):  # it checks its own
+                    obj.check_state(state["stateful"][name])
                 else:
                     _match_tree(f"stateful[{name!r}]", state["stateful"][name], obj.state_dict())

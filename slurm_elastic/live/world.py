@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_elastic import events, notice
 from slurm_elastic.live import auth, control
 from slurm_elastic.live.abort import StallGuard, connected_sockets
+from slurm_elastic.live.fsdp import ShardedModel
 from slurm_elastic.live.state import ElasticState
 
 __all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
@@ -110,8 +111,11 @@ class LiveWorld:
         reform_timeout_s: float,
         in_place: bool,
         stall_abort_s: float | None = 1.0,
+        sharding: ShardedModel | None = None,
     ) -> None:
         self.state = state
+        # FSDP2/HSDP (live/fsdp.py) in place of the DDP wrapper, if given
+        self.sharding = sharding
         self.backend = backend
         self.ddp_kwargs = ddp_kwargs
         self.timeout = timeout
@@ -119,9 +123,10 @@ class LiveWorld:
         self.in_place = in_place
         self.round = int(os.environ.get(control.ROUND_ENV, "0"))
         self.dirty = False
-        self._ddp: DistributedDataParallel | None = None
+        self._ddp: nn.Module | None = None
         self._watch: control.AssignmentWatch | None = None
         self._pending: _Pending | None = None
+        self._store: Any = None  # the current group's store (see _join)
         self._failed_rounds: set[int] = set()
         # gloo cannot abort a collective that waits on a silently dead peer; the guard
         # ends it once the agent assigns a round without that peer (live/abort.py).
@@ -148,7 +153,7 @@ class LiveWorld:
 
     @property
     def model(self) -> nn.Module:
-        """The current DDP wrapper (replaced at every re-formation)."""
+        """The current DDP wrapper or sharded model (replaced at every re-formation)."""
         if self._ddp is None:
             raise RuntimeError("ElasticLoop.start() first")
         return self._ddp
@@ -260,6 +265,10 @@ class LiveWorld:
 
     def _join(self, a: control.Assignment, store: Any) -> None:
         before = connected_sockets() if self._guard is not None else frozenset()
+        # Keep the Python store alive as long as the group: torch holds only its C++
+        # half, so a later new_group (an HSDP mesh's subgroups) would call a store whose
+        # Python methods are gone ("Not implemented" from PythonStore::set).
+        self._store = store
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore("pg", store),
@@ -281,10 +290,13 @@ class LiveWorld:
         if self._guard is not None:
             self._guard.disarm()  # before the group goes: its sockets are never reused
         group = dist.group.WORLD if dist.is_initialized() else None
+        # FSDP: the mesh's groups, held like the world's (the module references them)
+        held = self.sharding.release() if self.sharding is not None else []
         self._ddp = None
         if group is not None:
             dist.destroy_process_group()
-        del group
+        del group, held
+        self._store = None
 
     def beat(self) -> None:
         """A step boundary passed on the current group (for the stall guard)."""
@@ -298,7 +310,11 @@ class LiveWorld:
             self._guard.close()
 
     def wrap(self) -> None:
-        """Wrap the model in a new DDP for the current group (broadcasts from rank 0)."""
+        """Wrap the model in a new DDP for the current group (broadcasts from rank 0), or
+        shard it on a new mesh (FSDP2/HSDP: :mod:`~slurm_elastic.live.fsdp`)."""
+        if self.sharding is not None:
+            self._ddp = self.sharding.shard(self.device().type, self.world_size)
+            return
         self._ddp = DistributedDataParallel(self.state.model, **self.ddp_kwargs)
 
     def sync_state(self) -> bool:

@@ -1,0 +1,381 @@
+"""FSDP2 and HSDP in the live session: the model is re-sharded in place on a change.
+
+With ``ElasticSession(..., fsdp=FSDPConfig(build=...))`` the session wraps the model with
+``torch.distributed.fsdp.fully_shard`` (FSDP2) on a device mesh over the current world
+instead of DDP: a 1-D ``("shard",)`` mesh, or with ``replicate=R`` a 2-D
+``("replicate", "shard")`` mesh (HSDP: ``R`` replicas, each sharded over ``world / R``
+ranks). :class:`ShardedModel` is the piece the session and
+:class:`~slurm_elastic.live.world.LiveWorld` call:
+
+* :meth:`ShardedModel.gather` (collective over the *old* world, on every rank, the
+  leaving ones included, at the step boundary that switches): every DTensor of the model
+  and of the optimizer's state becomes a full host tensor (``full_tensor()``), keyed by
+  parameter name (FQN) as ``torch.distributed.checkpoint.state_dict`` does;
+* the session commits that full state like any registered object
+  (:meth:`state_dict`) and a newcomer receives it from a survivor over the network as
+  tensors plus a JSON description (:mod:`slurm_elastic.checkpoint.exchange`, never
+  pickle), checked first against its own structure (:meth:`check_state`);
+* :meth:`release` (in the group teardown) drops the sharded module and the optimizer's
+  references to the old mesh and hands back the old groups so the caller holds them
+  across ``destroy_process_group`` (the safe order of the DDP path);
+* :meth:`shard` (in the new world): a fresh module from ``build()``, ``fully_shard`` on
+  the new mesh, the full state loaded (each rank keeps its slice), the *same* optimizer
+  object re-pointed at the new parameters (a scheduler built on it stays valid).
+
+Limits (stated in ``docs/live.md``): the full state is materialized in host memory on
+every rank at a switch and at each checkpoint (fine for models that fit one host);
+checkpoints hold the full state (rank 0 writes them; a load reshards to any world);
+a peer lost without notice cannot be recovered in place unless a gathered state newer
+than the last optimizer step exists: :class:`ShardsLostError` is raised and the worker
+exits for the restart path (newest checkpoint). Hooks registered on the user's module
+do not move to the rebuilt one; use :attr:`ElasticSession.model` at every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from slurm_elastic.checkpoint import exchange
+from slurm_elastic.errors import SlurmElasticError, StateExchangeError
+
+__all__ = ["STATE_KEY", "FSDPConfig", "ShardedModel", "ShardsLostError", "mesh_shape"]
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "_fsdp"
+"""The name the sharded state is registered under in the session's ``stateful``."""
+
+
+class ShardsLostError(SlurmElasticError):
+    """A peer's shards are gone and no full copy newer than the last step exists."""
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """How the session shards the model.
+
+    Attributes:
+        build: returns a fresh, unsharded model of the same architecture as the one given
+            to the session (its values are overwritten); called on every re-shard.
+        shard_modules: the submodules to ``fully_shard`` before the root (e.g. the
+            transformer blocks), given the model; ``None``: the root only.
+        replicate: HSDP replicas (``1``: plain FSDP2). A world of ``W`` ranks uses
+            ``gcd(replicate, W)`` replicas of ``W / gcd`` ranks each.
+        reshard_after_forward: passed to ``fully_shard``.
+    """
+
+    build: Callable[[], nn.Module]
+    shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None
+    replicate: int = 1
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if not callable(self.build):
+            raise TypeError(
+                f"FSDPConfig.build={self.build!r} is not callable: pass a function that "
+                "returns a fresh unsharded model"
+            )
+        if type(self.replicate) is not int or self.replicate < 1:
+            raise ValueError(
+                f"FSDPConfig.replicate={self.replicate!r} must be an integer >= 1 "
+                "(1: FSDP2 over all ranks; R: HSDP with R replicas)"
+            )
+
+
+def mesh_shape(world_size: int, replicate: int) -> tuple[int, int]:
+    """``(replicas, shards)`` for a world: ``gcd(replicate, world_size)`` replicas."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    replicas = math.gcd(replicate, world_size)
+    return replicas, world_size // replicas
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()  # collective over the value's mesh
+    return value.detach().to("cpu", copy=True)
+
+
+def _refuse(where: str, why: str) -> StateExchangeError:
+    return StateExchangeError(f"refused a peer's sharded state: {where}: {why}")
+
+
+class ShardedModel:
+    """The model under FSDP2/HSDP, its optimizer, and their full state across worlds.
+
+    Registered in the session's :class:`~slurm_elastic.live.state.ElasticState` as the
+    stateful object :data:`STATE_KEY`; its :meth:`state_dict` is the full state of the
+    last :meth:`gather` (plain CPU tensors: model by FQN, optimizer state by FQN and its
+    parameter groups).
+
+    Args:
+        config: how to shard.
+        model: the unsharded model (sharded in place by the first :meth:`shard`).
+        optimizer: built on ``model.parameters()``; it is re-pointed at the sharded
+            parameters at every :meth:`shard`.
+
+    Raises:
+        ValueError: the optimizer holds a parameter that is not the model's.
+    """
+
+    def __init__(
+        self, config: FSDPConfig, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        self.config = config
+        self.module: nn.Module | None = model
+        self.optimizer = optimizer
+        self._sharded = False
+        self._mesh: Any = None
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._groups: list[list[str]] = []
+        for i, group in enumerate(optimizer.param_groups if optimizer is not None else []):
+            missing = [n for n, p in enumerate(group["params"]) if id(p) not in names]
+            if missing:
+                raise ValueError(
+                    f"optimizer param_groups[{i}] holds parameters {missing} that are not the "
+                    "model's: build the optimizer on model.parameters() before the session"
+                )
+            self._groups.append([names[id(p)] for p in group["params"]])
+        self._template = {k: (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
+        self._params = {n: (p.dtype, tuple(p.shape)) for n, p in model.named_parameters()}
+        # The newest full state (gathered here or received) and whether no optimizer
+        # step happened since (else it is history, not the live state).
+        self._full: dict[str, Any] | None = None
+        self._fresh = False
+        self._loading = False
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._on_step)
+
+    def _on_step(self, *_: Any) -> None:
+        if not self._loading:
+            self._fresh = False
+
+    # -- sharding ------------------------------------------------------------------------
+
+    def shard(self, device_type: str, world_size: int) -> nn.Module:
+        """Collective over the current world: shard a model on a new mesh and load the
+        newest full state into it; return the sharded module."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        replicas, shards = mesh_shape(world_size, self.config.replicate)
+        if replicas > 1:
+            mesh = init_device_mesh(
+                device_type, (replicas, shards), mesh_dim_names=("replicate", "shard")
+            )
+        else:
+            mesh = init_device_mesh(device_type, (shards,), mesh_dim_names=("shard",))
+        if self._sharded or self.module is None:
+            module = self.config.build()
+            got = {k: (v.dtype, tuple(v.shape)) for k, v in module.state_dict().items()}
+            if got != self._template:
+                raise ValueError(
+                    "FSDPConfig.build() returned a model whose state differs from the "
+                    f"session's model ({sorted(set(got) ^ set(self._template))[:5]} or "
+                    "shapes/dtypes): it must build the same architecture every call"
+                )
+        else:
+            module = self.module
+        for sub in self.config.shard_modules(module) if self.config.shard_modules else ():
+            fully_shard(sub, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward)
+        self.module, self._mesh, self._sharded = module, mesh, True
+        params = dict(module.named_parameters())
+        if self.optimizer is not None:
+            for group, names in zip(self.optimizer.param_groups, self._groups, strict=True):
+                group["params"] = [params[n] for n in names]
+            self.optimizer.state.clear()
+        if self._full is not None:
+            self._load(module, self._full)
+        log.info(
+            "model sharded: %d replica(s) x %d shard(s) over %d ranks",
+            replicas,
+            shards,
+            world_size,
+        )
+        return module
+
+    def _load(self, module: nn.Module, full: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        self._loading = True
+        try:
+            set_model_state_dict(
+                module, dict(full["model"]), options=StateDictOptions(full_state_dict=True)
+            )
+            if self.optimizer is None:
+                return
+            params = dict(module.named_parameters())
+            saved = full["optimizer"]
+            for group, old in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+                for key, value in old.items():
+                    if key == "params":
+                        continue
+                    if isinstance(group.get(key), tuple) and isinstance(value, list):
+                        value = tuple(value)  # a JSON list on the wire
+                    group[key] = value
+            for name, entry in saved["state"].items():
+                param = params[name]
+                state: dict[str, Any] = {}
+                for key, value in entry.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and isinstance(param, DTensor)
+                        and (tuple(value.shape) == tuple(param.shape) and value.dim() > 0)
+                    ):
+                        state[key] = distribute_tensor(
+                            value,
+                            param.device_mesh,
+                            param.placements,
+                            src_data_rank=None,  # every rank holds the full value
+                        )
+                    elif isinstance(value, torch.Tensor):
+                        state[key] = value.detach().clone()
+                    else:
+                        state[key] = value
+                self.optimizer.state[param] = state
+        finally:
+            self._loading = False
+
+    def gather(self) -> None:
+        """Collective over the current world (every rank): take the full state now."""
+        if self.module is None:
+            raise ShardsLostError("gather() after release(): the sharded model is gone")
+        model = {k: _full(v) for k, v in self.module.state_dict().items()}
+        optimizer: dict[str, Any] = {"state": {}, "param_groups": []}
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            for group, fqns in zip(self.optimizer.param_groups, self._groups, strict=True):
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                optimizer["param_groups"].append({**hyper, "params": list(fqns)})
+                for param in group["params"]:  # the same order on every rank
+                    entry = self.optimizer.state.get(param)
+                    if not entry:
+                        continue
+                    optimizer["state"][names[id(param)]] = {
+                        k: _full(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+                    }
+        self._full, self._fresh = {"model": model, "optimizer": optimizer}, True
+
+    def release(self) -> list[Any]:
+        """Drop the sharded module and the optimizer's references to the current mesh;
+        return the mesh's process groups (hold them until the group is destroyed)."""
+        held: list[Any] = []
+        if self._mesh is not None:
+            try:
+                held = list(self._mesh.get_all_groups())
+            except Exception:  # a mesh over a broken world: nothing more to hold
+                held = []
+        self.module = None
+        self._mesh = None
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            for group in self.optimizer.param_groups:
+                group["params"] = []
+        return held
+
+    # -- the stateful protocol (ElasticState) ----------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state of the last :meth:`gather` (or what was loaded), if it is the
+        live state (no optimizer step since).
+
+        Raises:
+            ShardsLostError: the model is sharded and the full state is older than the
+                live one (a peer was lost between gathers: its shards are gone).
+        """
+        if not self._sharded and not (self._fresh and self._full is not None):
+            self.gather_unsharded()
+        if not self._fresh or self._full is None:
+            raise ShardsLostError(
+                "the sharded model's full state is older than the last optimizer step and "
+                "the world is gone (a peer was lost without notice): restart from the newest "
+                "checkpoint (HSDP replica recovery is not implemented)"
+            )
+        return self._full
+
+    def gather_unsharded(self) -> None:
+        """The full state of the model before its first :meth:`shard` (local)."""
+        if self.module is None:
+            raise ShardsLostError("no model to take the state of")
+        self.gather()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Keep ``state`` (a full state) for the next :meth:`shard` to load."""
+        if not isinstance(state, Mapping) or set(state) != {"model", "optimizer"}:
+            raise ValueError(
+                f"a sharded model's state has parts ['model', 'optimizer'], got "
+                f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}"
+            )
+        self._full, self._fresh = {"model": state["model"], "optimizer": state["optimizer"]}, True
+        if self._sharded and self.module is not None:  # a live world: load now
+            self._load(self.module, self._full)
+
+    def check_state(self, spec: Any) -> None:
+        """Refuse an announced full state unless it has this model's structure.
+
+        ``spec`` holds an :class:`~slurm_elastic.checkpoint.exchange.TensorSpec` per
+        tensor. Model: exactly this model's keys, each with its full shape and dtype.
+        Optimizer: this optimizer's parameter groups (same FQNs, no tensors among the
+        hyperparameters); each state entry names one of its parameters and each tensor
+        has that parameter's shape and dtype (a scalar, e.g. Adam's ``step``, is allowed).
+
+        Raises:
+            StateExchangeError: names the first difference.
+        """
+        if type(spec) is not dict or set(spec) != {"model", "optimizer"}:
+            raise _refuse("parts", "expected ['model', 'optimizer']")
+        model = spec["model"]
+        if type(model) is not dict or set(model) != set(self._template):
+            have = sorted(model)[:5] if type(model) is dict else type(model).__name__
+            raise _refuse("model", f"keys {have}, this model has {sorted(self._template)[:5]}")
+        for key, (dtype, shape) in self._template.items():
+            got = model[key]
+            if not isinstance(got, exchange.TensorSpec) or (got.dtype, got.shape) != (
+                dtype,
+                shape,
+            ):
+                raise _refuse(f"model[{key!r}]", f"{got!r:.80}, this rank has {dtype} {shape}")
+        opt = spec["optimizer"]
+        if type(opt) is not dict or set(opt) != {"state", "param_groups"}:
+            raise _refuse("optimizer", "expected ['state', 'param_groups']")
+        groups = opt["param_groups"]
+        want = self._groups if self.optimizer is not None else []
+        if type(groups) is not list or len(groups) != len(want):
+            raise _refuse("optimizer.param_groups", f"expected {len(want)} groups")
+        for i, (group, names) in enumerate(zip(groups, want, strict=True)):
+            if type(group) is not dict or group.get("params") != names:
+                raise _refuse(f"optimizer.param_groups[{i}]", "different parameters")
+            if any(isinstance(v, exchange.TensorSpec) for v in group.values()):
+                raise _refuse(f"optimizer.param_groups[{i}]", "a tensor hyperparameter")
+        state = opt["state"]
+        if type(state) is not dict:
+            raise _refuse("optimizer.state", "not a mapping")
+        for name, entry in state.items():
+            if name not in self._params or type(entry) is not dict:
+                raise _refuse(f"optimizer.state[{name!r}]", "not a parameter of this model")
+            dtype, shape = self._params[name]
+            for key, value in entry.items():
+                if (
+                    isinstance(value, exchange.TensorSpec)
+                    and value.shape != ()
+                    and (value.shape != shape or value.dtype != dtype)
+                ):
+                    raise _refuse(
+                        f"optimizer.state[{name!r}][{key!r}]",
+                        f"{value.dtype} {list(value.shape)}, the parameter is {dtype} "
+                        f"{list(shape)}",
+                    )
