@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.errors import CheckpointCorruptError
 from slurm_elastic.slurm.jobstate import JobInfo, JobState
 from tests.conftest import SlurmCluster
 from tests.e2e.jobs import (
@@ -431,7 +432,11 @@ class FaultRun:
             procs = processes_mentioning(str(self.tmp))
             agents = [p for p in procs if "slurm_elastic.cli.main agent" in p.cmdline]
             pids = {a.pid for a in agents}
-            orphans = [p for p in procs if "paced_train.py" in p.cmdline and p.ppid not in pids]
+            orphans = [
+                p
+                for p in procs
+                if "paced_train.py" in p.cmdline and p.pid not in pids and p.ppid not in pids
+            ]
             running = {i.array_task_id for i in self.infos() if i.state == JobState.RUNNING}
             tasks = [a.task for a in agents]
             doubled = sorted({str(t) for t in tasks if tasks.count(t) > 1})
@@ -456,8 +461,26 @@ class FaultRun:
         for epoch, seen in effective_ledger(self.tmp / "ledger.jsonl", so_far=True).items():
             twice = len(seen) - len(set(seen))
             assert not twice, f"after {case}: {twice} sample(s) used twice in epoch {epoch}"
-        newest = CheckpointManager(self.checkpoint_dir).latest_verified(deep=True)
-        assert newest is not None, f"after {case}: no committed checkpoint verifies"
+        # Read-only (latest_verified would also recover and report, as a resume does):
+        # a committed checkpoint verifies, CRCs included. Right after a case that damaged
+        # the only one, the next save (every 10 steps) makes one: waited for.
+        store = CheckpointManager(self.checkpoint_dir).store
+        damaged: list[str] = []
+
+        def verifies() -> bool:
+            damaged.clear()
+            for info in reversed(store.list_checkpoints()):
+                try:
+                    store.verify(info.step, deep=True)
+                    return True
+                except (CheckpointCorruptError, FileNotFoundError) as exc:
+                    damaged.append(f"step {info.step}: {exc}")  # or pruned while read
+            return False
+
+        try:
+            wait_for(verifies, 120, "a committed checkpoint that verifies", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"after {case}: no checkpoint verifies: {damaged}") from exc
 
 
 class Scenario:
