@@ -10,10 +10,11 @@ with MODE one of
 * ``loop``: ``ElasticLoop.run(train_step)`` at its defaults.
 
 Each rank writes ``OUT_DIR/<mode>.<rank>.json``: the ``time.perf_counter()`` at the start
-and the end of each step's body (the user's code: batch, forward, backward, optimizer),
-and the process's peak resident memory (``ru_maxrss``) at the end. The time per step is
-the time between the starts of consecutive steps, so whatever a loop adds between two
-bodies (our step boundary) is in it.
+of each step (session: before ``with session.step()``; loop: at the start of the step
+function), at the start and the end of its body (the user's code: batch, forward,
+backward, optimizer), and the process's peak resident memory (``ru_maxrss``) at the end.
+The time per step is the time between the starts of consecutive steps, so whatever a
+loop adds between two bodies (our step boundary) is in it.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from torch import nn
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["plain", "session", "loop"])
+    p.add_argument("mode", choices=["plain", "session", "loop", "ab"])
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     p.add_argument("--features", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block", type=int, default=5, help="ab: steps per block")
     return p.parse_args(argv)
 
 
@@ -63,7 +65,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, sca
     opt.step()
 
 
-def run_plain(args: argparse.Namespace, marks: list[tuple[float, float]]) -> int:
+Marks = list[tuple[float, float, float]]  # (step starts, body starts, body ends)
+
+
+def run_plain(args: argparse.Namespace, marks: Marks) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
@@ -77,13 +82,13 @@ def run_plain(args: argparse.Namespace, marks: list[tuple[float, float]]) -> int
         t0 = time.perf_counter()
         idx = order[step * b + rank * per : step * b + (rank + 1) * per]
         train_step(ddp, opt, x[idx], y[idx], 1.0 / b * world)
-        marks.append((t0, time.perf_counter()))
+        marks.append((t0, t0, time.perf_counter()))
     dist.barrier()
     dist.destroy_process_group()
     return rank
 
 
-def run_session(args: argparse.Namespace, marks: list[tuple[float, float]]) -> int:
+def run_session(args: argparse.Namespace, marks: Marks) -> int:
     from slurm_elastic.live import ElasticSession
 
     model, opt, x, y = build(args)
@@ -94,8 +99,9 @@ def run_session(args: argparse.Namespace, marks: list[tuple[float, float]]) -> i
         for _ in session.batches():
             t0 = time.perf_counter()
             with session.step() as s:
+                tb = time.perf_counter()
                 train_step(session.model, opt, x[s.indices], y[s.indices], s.loss_scale)
-            marks.append((t0, time.perf_counter()))
+                marks.append((t0, tb, time.perf_counter()))
             if session.interrupted or session.reached(steps=args.steps):
                 break
     session.finish()
@@ -104,7 +110,7 @@ def run_session(args: argparse.Namespace, marks: list[tuple[float, float]]) -> i
     return rank
 
 
-def run_loop(args: argparse.Namespace, marks: list[tuple[float, float]]) -> int:
+def run_loop(args: argparse.Namespace, marks: Marks) -> int:
     from slurm_elastic.live import ElasticLoop
 
     model, opt, x, y = build(args)
@@ -113,7 +119,7 @@ def run_loop(args: argparse.Namespace, marks: list[tuple[float, float]]) -> int:
     def one(step: Any) -> None:
         t0 = time.perf_counter()
         train_step(step.model, opt, x[step.indices], y[step.indices], step.loss_scale)
-        marks.append((t0, time.perf_counter()))
+        marks.append((t0, t0, time.perf_counter()))
 
     loop.run(one, steps=args.steps)
     rank = loop.rank
@@ -121,17 +127,72 @@ def run_loop(args: argparse.Namespace, marks: list[tuple[float, float]]) -> int:
     return rank
 
 
+def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
+    """Both loops in the same processes, alternating blocks of ``--block`` steps.
+
+    A plain DDP wrapper of a second, identical model shares the session's process group;
+    each block runs ``--block`` steps of one loop, then the other's. Per step the time
+    from its start to the end of its loop's bookkeeping (the session: after the ``with``
+    block, its step boundary included; plain: after the optimizer step).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from slurm_elastic.live import ElasticSession
+
+    model, opt, x, y = build(args)
+    plain_model, plain_opt, _, _ = build(args)
+    session = ElasticSession(
+        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed
+    )
+    session.start()
+    ddp = DistributedDataParallel(plain_model)
+    rank, world = session.rank, session.world_size
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    b, per = args.global_batch, args.global_batch // world
+    plain_marks: list[tuple[int, float, float]] = []
+    session_marks: list[tuple[int, float, float]] = []
+    plain_step = 0
+    while not session.finished(steps=args.steps):
+        for _ in session.batches():
+            if session.step_count % args.block == 0:  # a plain block first
+                block = session.step_count // args.block
+                for _ in range(args.block):
+                    t0 = time.perf_counter()
+                    i = plain_step % args.steps
+                    idx = order[i * b + rank * per : i * b + (rank + 1) * per]
+                    train_step(ddp, plain_opt, x[idx], y[idx], 1.0 / b * world)
+                    plain_marks.append((block, t0, time.perf_counter()))
+                    plain_step += 1
+            block = session.step_count // args.block
+            t0 = time.perf_counter()
+            with session.step() as s:
+                train_step(session.model, opt, x[s.indices], y[s.indices], s.loss_scale)
+            session_marks.append((block, t0, time.perf_counter()))
+            if session.interrupted or session.reached(steps=args.steps):
+                break
+    session.finish()
+    del ddp
+    session.close()
+    out["plain"], out["session"] = plain_marks, session_marks
+    return rank
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    marks: list[tuple[float, float]] = []
-    run = {"plain": run_plain, "session": run_session, "loop": run_loop}[args.mode]
-    rank = run(args, marks)
-    record = {
+    marks: Marks = []
+    record: dict[str, Any] = {}
+    if args.mode == "ab":
+        rank = run_ab(args, record)
+    else:
+        run = {"plain": run_plain, "session": run_session, "loop": run_loop}[args.mode]
+        rank = run(args, marks)
+    record |= {
         "mode": args.mode,
         "rank": rank,
         "starts": [m[0] for m in marks],
-        "ends": [m[1] for m in marks],
+        "bodies": [m[1] for m in marks],
+        "ends": [m[2] for m in marks],
         "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "params": args.features * args.width * 2 + args.width**2 + 2 * args.width + args.features,
     }
