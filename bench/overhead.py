@@ -38,7 +38,7 @@ moonshot 1.01), ``session_vs_plain`` (separate launches; the same target),
 ``loop_vs_plain`` (reported), ``rss_session_vs_plain`` (reported). A run that did not
 finish (timeout, a worker error) is reported as such, with no ratio.
 
-``--quick`` (~3 min here): 4 repetitions of 40 steps (10 warm-up); the full run: 8 of
+``--quick`` (~4 min here at a low load): 4 repetitions of 40 steps (10 warm-up); the full run: 8 of
 100 (20 warm-up). Prints a table and one JSON line per case (bench, case, ours,
 baseline, ratio, target, ok, unit, ...).
 """
