@@ -39,6 +39,7 @@ BENCHES = {
     "soak": "bench/soak.py",
     "recovery": "bench/recovery.py",
     "goodput": "bench/goodput.py",  # needs the local Slurm cluster with all 4 nodes idle
+    "overhead": "bench/overhead.py",
 }
 
 

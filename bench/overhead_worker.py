@@ -1,0 +1,207 @@
+"""Worker of bench/overhead.py: the same MLP, data and steps in one of three loops.
+
+Usage (under ``slurm-elastic agent``): ``overhead_worker.py MODE OUT_DIR [options]``
+with MODE one of
+
+* ``plain``: a hand-written DDP loop (``init_process_group``, ``DistributedDataParallel``,
+  each rank's share of a seeded permutation, forward, backward, ``optimizer.step()``);
+* ``session``: the own-loop API at its defaults (``ElasticSession``,
+  ``with session.step() as s:``; no checkpoint, ``commit_every=0``);
+* ``loop``: ``ElasticLoop.run(train_step)`` at its defaults.
+
+Each rank writes ``OUT_DIR/<mode>.<rank>.json``: the ``time.perf_counter()`` at the start
+of each step (session: before ``with session.step()``; loop: at the start of the step
+function), at the start and the end of its body (the user's code: batch, forward,
+backward, optimizer), and the process's peak resident memory (``ru_maxrss``) at the end.
+The time per step is the time between the starts of consecutive steps, so whatever a
+loop adds between two bodies (our step boundary) is in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["plain", "session", "loop", "ab"])
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
+    p.add_argument("--features", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block", type=int, default=5, help="ab: steps per block")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """The model (3 Linear layers), its Adam, and a dataset of one sample per step slot."""
+    torch.manual_seed(args.seed)
+    f, w = args.features, args.width
+    model = nn.Sequential(nn.Linear(f, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, f))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    size = args.global_batch * args.steps  # one epoch: no epoch boundary inside the run
+    x = torch.randn(size, f, generator=gen)
+    y = torch.randn(size, f, generator=gen)
+    return model, opt, x, y
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, scale: float) -> None:
+    loss = ((model(x) - y) ** 2).sum() * scale
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+Marks = list[tuple[float, float, float]]  # (step starts, body starts, body ends)
+
+
+def run_plain(args: argparse.Namespace, marks: Marks) -> int:
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, x, y = build(args)
+    ddp = DistributedDataParallel(model)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    b = args.global_batch
+    per = b // world
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        idx = order[step * b + rank * per : step * b + (rank + 1) * per]
+        train_step(ddp, opt, x[idx], y[idx], 1.0 / b * world)
+        marks.append((t0, t0, time.perf_counter()))
+    dist.barrier()
+    dist.destroy_process_group()
+    return rank
+
+
+def run_session(args: argparse.Namespace, marks: Marks) -> int:
+    from slurm_elastic.live import ElasticSession
+
+    model, opt, x, y = build(args)
+    session = ElasticSession(
+        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed
+    )
+    while not session.finished(steps=args.steps):
+        for _ in session.batches():
+            t0 = time.perf_counter()
+            with session.step() as s:
+                tb = time.perf_counter()
+                train_step(session.model, opt, x[s.indices], y[s.indices], s.loss_scale)
+                marks.append((t0, tb, time.perf_counter()))
+            if session.interrupted or session.reached(steps=args.steps):
+                break
+    session.finish()
+    rank = session.rank
+    session.close()
+    return rank
+
+
+def run_loop(args: argparse.Namespace, marks: Marks) -> int:
+    from slurm_elastic.live import ElasticLoop
+
+    model, opt, x, y = build(args)
+    loop = ElasticLoop(model, opt, dataset_size=len(x), global_batch_size=args.global_batch)
+
+    def one(step: Any) -> None:
+        t0 = time.perf_counter()
+        train_step(step.model, opt, x[step.indices], y[step.indices], step.loss_scale)
+        marks.append((t0, t0, time.perf_counter()))
+
+    loop.run(one, steps=args.steps)
+    rank = loop.rank
+    loop.close()
+    return rank
+
+
+def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
+    """Both loops in the same processes, alternating blocks of ``--block`` steps.
+
+    A plain DDP wrapper of a second, identical model shares the session's process group;
+    each block runs ``--block`` steps of one loop, then the other's. Per step the time
+    from its start to the end of its loop's bookkeeping (the session: after the ``with``
+    block, its step boundary included; plain: after the optimizer step).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from slurm_elastic.live import ElasticSession
+
+    model, opt, x, y = build(args)
+    plain_model, plain_opt, _, _ = build(args)
+    session = ElasticSession(
+        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed
+    )
+    session.start()
+    ddp = DistributedDataParallel(plain_model)
+    rank, world = session.rank, session.world_size
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    b, per = args.global_batch, args.global_batch // world
+    plain_marks: list[tuple[int, float, float]] = []
+    session_marks: list[tuple[int, float, float]] = []
+    plain_step = 0
+    while not session.finished(steps=args.steps):
+        for _ in session.batches():
+            if session.step_count % args.block == 0:  # a plain block first
+                block = session.step_count // args.block
+                for _ in range(args.block):
+                    t0 = time.perf_counter()
+                    i = plain_step % args.steps
+                    idx = order[i * b + rank * per : i * b + (rank + 1) * per]
+                    train_step(ddp, plain_opt, x[idx], y[idx], 1.0 / b * world)
+                    plain_marks.append((block, t0, time.perf_counter()))
+                    plain_step += 1
+            block = session.step_count // args.block
+            t0 = time.perf_counter()
+            with session.step() as s:
+                train_step(session.model, opt, x[s.indices], y[s.indices], s.loss_scale)
+            session_marks.append((block, t0, time.perf_counter()))
+            if session.interrupted or session.reached(steps=args.steps):
+                break
+    session.finish()
+    del ddp
+    session.close()
+    out["plain"], out["session"] = plain_marks, session_marks
+    return rank
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    marks: Marks = []
+    record: dict[str, Any] = {}
+    if args.mode == "ab":
+        rank = run_ab(args, record)
+    else:
+        run = {"plain": run_plain, "session": run_session, "loop": run_loop}[args.mode]
+        rank = run(args, marks)
+    record |= {
+        "mode": args.mode,
+        "rank": rank,
+        "starts": [m[0] for m in marks],
+        "bodies": [m[1] for m in marks],
+        "ends": [m[2] for m in marks],
+        "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "params": args.features * args.width * 2 + args.width**2 + 2 * args.width + args.features,
+    }
+    path = os.path.join(args.out, f"{args.mode}.{rank}.json")
+    with open(f"{path}.tmp", "w") as fh:
+        json.dump(record, fh)
+    os.replace(f"{path}.tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
