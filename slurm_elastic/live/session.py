@@ -33,11 +33,8 @@ ElasticLoop` is this session driven by a step function.
 **At every step boundary** (the end of a ``with session.step():`` block) the ranks agree
 with one ``all_reduce`` (MAX over five integers): does any rank's node leave, does any
 rank stay, which new round (if any) every staying rank has received *and* found ready
-(all its ranks announced in the round's store), and has a leave waited too long. The
-vote is off the critical path: started asynchronously at one boundary and read at the
-next (:mod:`~slurm_elastic.live.agreement`), so every decision below takes effect one
-step after its signal, on every rank at the same boundary. Then, the same decision on
-every rank:
+(all its ranks announced in the round's store), and has a leave waited too long. Then,
+the same decision on every rank:
 
 * nothing pending: commit (every ``commit_every`` steps), maybe checkpoint, go on;
 * every staying rank holds the same ready round: **switch** (graceful join, leave, spare
@@ -72,6 +69,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slurm_elastic import events, notice
@@ -84,7 +82,6 @@ from slurm_elastic.checkpoint import (
 )
 from slurm_elastic.checkpoint.sampler import rank_share
 from slurm_elastic.live import control
-from slurm_elastic.live.agreement import BoundaryVote
 from slurm_elastic.live.fsdp import STATE_KEY, FSDPConfig, ShardedModel
 from slurm_elastic.live.state import ElasticState
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
@@ -273,8 +270,6 @@ class ElasticSession:
         #: this node stopped: its state lives on in the survivors or in the checkpoint
         self.left = False
         self._order: tuple[int, list[int]] | None = None
-        # The boundary's agreement, read one boundary after it was started.
-        self._vote = BoundaryVote(torch.device("cpu"))
         self._leave_seen_at: float | None = None
         self._not_in_round = False
         # In place, the agent that started this worker; if it dies (SIGKILL does not take
@@ -490,7 +485,6 @@ class ElasticSession:
                 self._advance(stop, None)
         # Outside the except block: its traceback would keep the broken group alive.
         if failure is not None:
-            self._vote.drop()  # of the broken group
             self.interrupted = True
             if self._leaving_here():
                 events.emit(events.LiveLeft(step=self.step_count, after="failure"))
@@ -539,7 +533,6 @@ class ElasticSession:
         """
         if self.left:
             return "left"
-        self._vote.result()  # the last step's vote: training is over, a checkpoint follows
         self.save(blocking=True)
         events.emit(events.LiveDone(step=self.step_count, rank=self.rank))
         events.emit(events.TrainDone(step=self.step_count, rank=self.rank))
@@ -549,7 +542,6 @@ class ElasticSession:
         """Flush checkpoints and leave the process group."""
         if self.checkpoint is not None:
             self.checkpoint.flush()
-        self._vote.drop()
         self.world.close()
 
     # -- the agreement ------------------------------------------------------------------------
@@ -561,26 +553,7 @@ class ElasticSession:
         return self._orphaned or self._not_in_round or notice.preemption_requested()
 
     def _boundary(self) -> str | None:
-        """The step boundary: ``None`` (go on), ``"switched"`` or ``"left"``.
-
-        Acts on the vote started at the previous boundary (every rank reads the same
-        one here), then starts this boundary's vote (:mod:`~slurm_elastic.live.agreement`).
-        """
-        agreed = self._vote.result()
-        if agreed is not None:
-            outcome = self._decide(agreed, leaving=bool(self._vote.mine[0]))
-            if outcome is not None:
-                return outcome
-        if self.commit_every and self.step_count % self.commit_every == 0:
-            self.world.commit(self.step_count, background=self.async_commit)
-        epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
-        if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
-            self.save(blocking=False)
-        self._start_vote()
-        return None
-
-    def _start_vote(self) -> None:
-        """Start this boundary's vote: what this rank knows now."""
+        """The step boundary: ``None`` (go on), ``"switched"`` or ``"left"``."""
         leaving = self._leaving_here()
         if self.in_place:
             ready = 0 if leaving else self.world.ready_round()
@@ -590,14 +563,13 @@ class ElasticSession:
             )
         else:
             ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
-        self._vote.start(
+        flags = torch.tensor(
             [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
+            dtype=torch.int64,
             device=self.world.device(),
         )
-
-    def _decide(self, agreed: list[int], leaving: bool) -> str | None:
-        """Act on an agreed vote (``leaving``: what this rank voted); None: go on."""
-        any_leave, any_stay, ready_max, neg_min, gave_up = agreed
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
         ready_min = -neg_min
         if any_leave and self._leave_seen_at is None:
             self._leave_seen_at = time.monotonic()
@@ -639,10 +611,14 @@ class ElasticSession:
             self.world.commit(self.step_count)
             self._recover("a peer left and no new round formed")
             return "switched"
+        if self.commit_every and self.step_count % self.commit_every == 0:
+            self.world.commit(self.step_count, background=self.async_commit)
+        epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
+        if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
+            self.save(blocking=False)
         return None
 
     def _recover(self, reason: str) -> None:
-        self._vote.drop()  # its group is torn down
         self.world.recover(reason, keep_live=not self.commit_every)
         self._leave_seen_at = None
 

@@ -2,8 +2,7 @@
 
 The multi-node behaviour (join, leave, hard loss in place) is in ``test_own_loop.py``;
 here: registration errors, the commit/rollback of every registered object, the peer
-check of registered objects, the loader-facing ``batches()`` against the steps, and the
-step-boundary vote (started at one boundary, acted on at the next).
+check of registered objects, and the loader-facing ``batches()`` against the steps.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurm_elastic import notice
 from slurm_elastic.checkpoint import exchange
 from slurm_elastic.errors import StateExchangeError
 from slurm_elastic.live import ElasticSession, ElasticState
-from slurm_elastic.live.agreement import BoundaryVote
 
 
 def _parts() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, Any]:
@@ -133,43 +130,4 @@ def test_batches_are_the_steps_indices_and_an_epoch_end_interrupts(world_of_one:
     assert [len(i) for i in seen] == [4, 4, 2, 4, 4]
     assert sorted(i for batch in seen[:3] for i in batch) == list(range(10))
     assert epochs == 2 and session.epoch == 1 and session.sample_offset == 8
-    session.close()
-
-
-def test_the_boundary_vote_is_read_one_boundary_later(world_of_one: None) -> None:
-    dist.init_process_group("gloo")
-    vote = BoundaryVote(torch.device("cpu"))
-    assert vote.result() is None and not vote.in_flight
-    vote.start([1, 0, 3, -3, 0])
-    assert vote.in_flight and vote.mine == (1, 0, 3, -3, 0)
-    with pytest.raises(RuntimeError, match="already in flight: read it first"):
-        vote.start([0, 1, 0, 0, 0])
-    assert vote.result() == [1, 0, 3, -3, 0]  # MAX over the one rank
-    assert vote.result() is None and vote.mine == (1, 0, 3, -3, 0)  # read once; mine stays
-    vote.start([0, 1, 0, 0, 0])
-    vote.drop()
-    assert not vote.in_flight and vote.result() is None
-
-
-def test_a_notice_takes_effect_at_the_next_boundary_and_loses_no_step(
-    world_of_one: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    net, body, head, scaler = _parts()
-    session = ElasticSession(
-        net, body, stateful={"head": head, "scaler": scaler},
-        dataset_size=100, global_batch_size=4, seed=3,
-    )  # fmt: skip
-    done = []
-    while not session.finished(steps=10):
-        for _ in session.batches():
-            with session.step() as step:
-                _train(net, body, head, scaler)
-                if step.step == 2:  # the third step: the notice comes during it
-                    monkeypatch.setattr(notice, "_flag", True)
-            done.append(session.step_count)
-            if session.interrupted or session.reached(steps=10):
-                break
-    # voted at the third boundary, acted on at the fourth: every started step finished
-    assert session.left and done == [1, 2, 3, 4] and session.step_count == 4
-    assert session.finish() == "left"
     session.close()
