@@ -41,7 +41,7 @@ def free_port() -> int:
 @pytest.fixture
 def other() -> Iterator[Other]:
     if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to create a second local user")
+        pytest.skip(reason="needs root and useradd to create a second local user")
     with second_user() as user:
         yield user
 

@@ -129,7 +129,7 @@ class TestBackendContract:
             # spins on forever (seen in a CI-path run: the reader in FileStore::get ->
             # refresh -> read() for over 8 minutes, native stack via py-spy). Whether a
             # kill lands mid-append is luck, so the case is ours only.
-            pytest.skip("torch's FileStore blocks readers after a torn append (see comment)")
+            pytest.skip(reason="torch's FileStore blocks readers after a torn append (see comment)")
         factory(tmp_path).set_state(_state(0), None)
         victims = [_CTX.Process(target=_forever_writer, args=(factory, tmp_path)) for _ in range(2)]
         for v in victims:

@@ -125,7 +125,7 @@ def test_the_real_local_slurm_22_05_is_refused(
 ) -> None:
     version = SlurmClient(env=slurm_cluster.env).version()
     if version >= EXPEDITED_REQUEUE_SINCE:
-        pytest.skip(f"this Slurm ({version}) supports --requeue=expedite")
+        pytest.skip(reason=f"this Slurm ({version}) supports --requeue=expedite")
     code = main(
         [
             "render",
