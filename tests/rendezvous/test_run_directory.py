@@ -75,7 +75,9 @@ def test_same_generation_joins_the_open_epoch(tmp_path: Path) -> None:
 
 
 def test_open_epoch_of_another_generation_is_not_joined(tmp_path: Path) -> None:
-    run = RunDirectory(tmp_path, "run")
+    # A short liveness window: the old epoch is watched for activity that long (this
+    # test is not about the window; tests/rendezvous/test_damage_and_identity.py is).
+    run = RunDirectory(tmp_path, "run", liveness_window_s=0.5)
     e1 = run.select_epoch(Incarnation("job-5.0", "5.0"))
     _touch_state(run, e1.number)
     e2 = run.select_epoch(Incarnation("job-5.1", "5.1"))  # the requeued job
@@ -94,7 +96,8 @@ def test_closed_epoch_raises_for_its_own_incarnation_only(tmp_path: Path) -> Non
 
 
 def test_old_epochs_are_collected(tmp_path: Path) -> None:
-    run = RunDirectory(tmp_path, "run")
+    run = RunDirectory(tmp_path, "run", liveness_window_s=0.5)  # each old one is watched
+
     for i in range(6):
         e = run.select_epoch(Incarnation(f"job-{i}", f"{i}.0"))
         _touch_state(run, e.number)
