@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from slurm_elastic import ledger as sample_ledger  # noqa: E402
 from slurm_elastic.slurm.commands import SlurmClient  # noqa: E402
 from slurm_elastic.slurm.jobstate import JobState  # noqa: E402
 from slurm_elastic.submit.render import render_template  # noqa: E402
@@ -84,13 +85,7 @@ def cluster_env() -> dict[str, str]:
 
 
 def ledger(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+    return sample_ledger.read(path)
 
 
 def wait(pred: Any, limit: float, poll: float = 0.25) -> Any:

@@ -13,7 +13,6 @@ the ledger has the same records (``attempt``/``round`` = the Slurm restart count
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -44,6 +43,7 @@ class RequeueTrainer(submitit.helpers.Checkpointable):
         sys.path.insert(0, str(REPO / "examples"))
         import train_ddp
 
+        from slurm_elastic import ledger
         from slurm_elastic.checkpoint.sampler import rank_share
 
         o = self.opts
@@ -84,11 +84,9 @@ class RequeueTrainer(submitit.helpers.Checkpointable):
             opt.step()
             sched.step()
             step += 1
-            record = {"epoch": epoch, "step": step, "rank": rank, "world": world}
-            record.update(indices=idx, round=restart, attempt=f"restart{restart}")
-            record.update(pid=os.getpid(), time=time.time())
-            with open(o["ledger"], "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            ledger.append(o["ledger"], epoch=epoch, step=step, rank=rank, world=world,
+                          indices=idx, attempt=f"restart{restart}", round=restart,
+                          pid=os.getpid())  # fmt: skip
             if o["step_time"]:
                 time.sleep(o["step_time"])
             if rank == 0 and step % o["save_every"] == 0:

@@ -60,6 +60,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from the checkout, installed or not
+
+from slurm_elastic import ledger as sample_ledger  # noqa: E402
+
 TRAIN = REPO / "examples" / "train_ddp.py"
 PY = sys.executable
 EVICTION_S = 0.5 * 3  # our heartbeat: interval x misses (detection adds up to one interval)
@@ -142,14 +146,7 @@ class Node:
 
 
 def ledger(tmp: Path) -> list[dict[str, Any]]:
-    path = tmp / "ledger.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+    return sample_ledger.read(tmp / "ledger.jsonl")
 
 
 def wait(pred: Any, limit: float) -> bool:

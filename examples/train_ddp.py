@@ -25,7 +25,6 @@ interrupted or not (``--out`` writes them at the end; ``--ledger`` logs every sa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from slurm_elastic import notice
+from slurm_elastic import ledger, notice
 from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.live import ElasticLoop, Step
 
@@ -117,11 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def train_step(s: Step) -> None:
         if args.ledger:  # at the start: an attempt that fails is superseded by its redo
-            record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank, "world": s.world_size}
-            record.update(indices=s.indices, round=s.round, attempt=f"round{s.round}")
-            record.update(pid=os.getpid(), time=time.time())
-            with open(args.ledger, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            ledger.append(args.ledger, epoch=s.epoch, step=s.step + 1, rank=s.rank,
+                          world=s.world_size, indices=s.indices, attempt=f"round{s.round}",
+                          round=s.round, pid=os.getpid())  # fmt: skip
         loss = ((s.model(x[s.indices]) - y[s.indices]) ** 2).sum() * s.loss_scale
         opt.zero_grad(set_to_none=False)
         loss.backward()

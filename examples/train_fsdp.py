@@ -18,7 +18,6 @@ CPU and gloo work (``init_device_mesh("cpu", ...)``); with CUDA the mesh is on t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slurm_elastic import notice
+from slurm_elastic import ledger, notice
 from slurm_elastic.checkpoint import CheckpointManager, ElasticSampler, loss_scale
 from slurm_elastic.live import ElasticSession, FSDPConfig
 
@@ -147,12 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in session.batches():
             with session.step() as s:
                 if args.ledger:  # at the start: a failed attempt is superseded by its redo
-                    record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank,
-                              "world": s.world_size, "indices": s.indices, "round": s.round,
-                              "attempt": f"round{s.round}", "pid": os.getpid(),
-                              "time": time.time()}  # fmt: skip
-                    with open(args.ledger, "a") as fh:
-                        fh.write(json.dumps(record) + "\n")
+                    ledger.append(args.ledger, epoch=s.epoch, step=s.step + 1, rank=s.rank,
+                                  world=s.world_size, indices=s.indices,
+                                  attempt=f"round{s.round}", round=s.round,
+                                  pid=os.getpid())  # fmt: skip
                 loss = loss_of(session.model, args, x[s.indices], y[s.indices], s.loss_scale)
                 opt.zero_grad(set_to_none=False)
                 loss.backward()

@@ -16,7 +16,6 @@ benches run it::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from slurm_elastic import notice
+from slurm_elastic import ledger, notice
 from slurm_elastic.checkpoint import CheckpointManager, ElasticSampler, loss_scale
 from slurm_elastic.live import ElasticSession
 
@@ -134,12 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                 if batch["index"] != s.indices:  # the loader and the step agree
                     raise RuntimeError(f"loader gave {batch['index']}, step wants {s.indices}")
                 if args.ledger:  # at the start: a failed attempt is superseded by its redo
-                    record = {"epoch": s.epoch, "step": s.step + 1, "rank": s.rank,
-                              "world": s.world_size, "indices": s.indices, "round": s.round,
-                              "attempt": f"round{s.round}", "pid": os.getpid(),
-                              "time": time.time()}  # fmt: skip
-                    with open(args.ledger, "a") as fh:
-                        fh.write(json.dumps(record) + "\n")
+                    ledger.append(args.ledger, epoch=s.epoch, step=s.step + 1, rank=s.rank,
+                                  world=s.world_size, indices=s.indices,
+                                  attempt=f"round{s.round}", round=s.round,
+                                  pid=os.getpid())  # fmt: skip
                 loss = t.step(session.model, batch, s.loss_scale)
                 if s.rank == 0 and (s.step + 1) % 10 == 0:
                     print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}",

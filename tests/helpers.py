@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import subprocess
@@ -12,6 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from slurm_elastic import ledger
 
 T = TypeVar("T")
 
@@ -35,18 +36,10 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file that writers may be appending to right now.
-
-    Only complete lines count: a last line without its newline is a write in flight (a
-    reader can see part of an ``O_APPEND`` write) and is left for the next poll. A
-    complete line that does not parse is a real defect and raises.
-    """
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    complete = data[: data.rfind(b"\n") + 1].decode()
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    """The records of a JSON-lines file that writers may be appending to right now: only
+    complete lines count, a malformed complete line raises (``slurm_elastic.ledger.read``,
+    which reads any JSON-lines file that way)."""
+    return ledger.read(path)
 
 
 @dataclass

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slurm_elastic import ledger
 from slurm_elastic.events import read_events
 from slurm_elastic.submit.render import render_template
-from tests.helpers import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -59,33 +58,17 @@ def rounds(state: Path, run_id: str, since: float = 0.0) -> list[dict[str, Any]]
 
 
 def effective_ledger(path: Path, *, so_far: bool = False) -> dict[int, list[int]]:
-    """Samples that made it into the final model, per epoch.
-
-    Steps done by a group of workers that was stopped before its next checkpoint are
-    done again by the next group; the later attempt of a step is the one that counts.
-    ``so_far``: while the run trains, only the steps up to the newest record's step
-    count (an older attempt's steps beyond it are still to be redone by the current one).
-    """
-    by_step: dict[tuple[int, int], dict[str, list[dict[str, Any]]]] = defaultdict(dict)
-    records = read_jsonl(path)
-    for rec in records:
-        by_step[(rec["epoch"], rec["step"])].setdefault(rec["attempt"], []).append(rec)
-    newest = max(records, key=lambda r: r["time"], default=None)
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for (epoch, step), attempts in sorted(by_step.items()):
-        if so_far and newest is not None and (epoch, step) > (newest["epoch"], newest["step"]):
-            continue
-        last = max(attempts.values(), key=lambda recs: max(r["time"] for r in recs))
-        for rec in last:
-            per_epoch[epoch].extend(rec["indices"])
-    return per_epoch
+    """Samples that made it into the final model, per epoch (``slurm_elastic.ledger``:
+    the later attempt of a step is the one that counts; ``so_far`` for a run that still
+    trains)."""
+    return ledger.samples_per_epoch(ledger.read(path), so_far=so_far)
 
 
-def assert_each_sample_once_per_full_epoch(ledger: dict[int, list[int]], n: int) -> None:
-    for epoch, seen in ledger.items():
-        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample was used twice"
-        if epoch < max(ledger):
-            assert sorted(seen) == list(range(n)), f"epoch {epoch}: samples missing"
+def assert_ledger_ok(path: Path, n: int, *, so_far: bool = False) -> None:
+    """Each sample once per epoch, every step run by every rank of its world once (the
+    one checker, ``slurm_elastic.ledger.check``)."""
+    problems = ledger.check(ledger.read(path), n, so_far=so_far)
+    assert not problems, f"{path}: {problems}"
 
 
 def max_abs_diff(a: Path, b: Path) -> float:

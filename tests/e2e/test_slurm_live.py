@@ -30,8 +30,7 @@ import pytest
 from slurm_elastic.slurm.jobstate import JobState
 from tests.conftest import SlurmCluster
 from tests.e2e.jobs import (
-    assert_each_sample_once_per_full_epoch,
-    effective_ledger,
+    assert_ledger_ok,
     job_values,
     max_abs_diff,
     render,
@@ -190,7 +189,7 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
     # (the join); the loss redoes at most the step in flight (commit every step)
     assert all(t1 - 5 <= first_at[s] <= t2 for s in redone), sorted(redone)
     assert len(redone) <= 2, sorted(redone)
-    assert_each_sample_once_per_full_epoch(effective_ledger(tmp_path / "ledger.jsonl"), DATASET)
+    assert_ledger_ok(tmp_path / "ledger.jsonl", DATASET)
     assert max_abs_diff(tmp_path / "params.pt", reference_params(tmp_path, train_args)) < ATOL
 
 
@@ -250,5 +249,5 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
     first_after = min(r["step"] for r in records if r["pid"] == survivor)
     done_before = max(r["step"] for r in records if r["time"] < t1)
     assert done_before - 21 <= first_after - 1 <= done_before, (first_after, done_before)
-    assert_each_sample_once_per_full_epoch(effective_ledger(tmp_path / "ledger.jsonl"), DATASET)
+    assert_ledger_ok(tmp_path / "ledger.jsonl", DATASET)
     assert max_abs_diff(tmp_path / "params.pt", reference_params(tmp_path, train_args)) < ATOL

@@ -7,7 +7,6 @@ and share one ledger (every rank appends the sample indices of every step it ran
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import signal
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import read_jsonl
+from slurm_elastic import ledger as ledger_records
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -110,48 +109,21 @@ class LiveRun:
 
 
 def ledger(tmp: Path) -> list[dict[str, Any]]:
-    return read_jsonl(tmp / "ledger.jsonl")
+    return ledger_records.read(tmp / "ledger.jsonl")
 
 
 def steps_done(tmp: Path) -> int:
-    return max((r["step"] for r in ledger(tmp)), default=0)
-
-
-def effective(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """For each step, the records of the last attempt at it (a rolled-back step is redone
-    by a later round; the redo replaces the rolled-back attempt)."""
-    by_step: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-    for r in records:
-        by_step[r["step"]].append(r)
-    out = {}
-    for step, rs in by_step.items():
-        last = max(r["round"] for r in rs)
-        out[step] = [r for r in rs if r["round"] == last]
-    return out
+    return ledger_records.steps_done(ledger(tmp))
 
 
 def assert_each_sample_once(records: list[dict[str, Any]], steps: int) -> None:
-    """Every step 1..steps ran once in its world, each sample once per epoch."""
-    eff = effective(records)
-    assert sorted(eff) == list(range(1, steps + 1)), "steps missing from the ledger"
-    per_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for step, rs in eff.items():
-        assert len({r["rank"] for r in rs}) == len(rs) == rs[0]["world"], (step, rs)
-        for r in rs:
-            per_epoch[r["epoch"]] += r["indices"]
-    for epoch, idx in per_epoch.items():
-        assert len(idx) == len(set(idx)), f"epoch {epoch}: a sample was used twice"
-        full = epoch < max(per_epoch)
-        if full:
-            assert sorted(idx) == list(range(DATASET)), f"epoch {epoch} incomplete"
+    """Every step 1..steps ran once in its world, each sample once per epoch (the one
+    checker: ``slurm_elastic.ledger.check``)."""
+    problems = ledger_records.check(records, DATASET, steps=steps)
+    assert not problems, problems
 
 
-def redone_steps(records: list[dict[str, Any]]) -> int:
-    """How many step numbers were run by more than one round (rolled back and redone)."""
-    rounds: dict[int, set[int]] = collections.defaultdict(set)
-    for r in records:
-        rounds[r["step"]].add(r["round"])
-    return sum(1 for s in rounds.values() if len(s) > 1)
+redone_steps = ledger_records.redone_steps
 
 
 def reference_params(steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
