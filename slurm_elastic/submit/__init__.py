@@ -1,4 +1,4 @@
-"""Submission: run one elastic training job on Slurm (through submitit) or locally.
+"""Submission: run one elastic training job on Slurm (the sbatch templates) or locally.
 
 Concept: a job is ``max_nodes`` (or ``nodes``) copies of the same task, each task one
 node's agent (:func:`slurm_elastic.agent.run_agent`), meeting through the shared
@@ -18,7 +18,9 @@ Contract:
   polling), waits with a deadline (:class:`JobTimeoutError`), and ``cancel()`` of a local
   job leaves no process behind (agents and their workers).
 
-Importing this package imports neither torch nor submitit.
+Importing this package imports neither torch nor submitit (submitit is not used on the
+Slurm path: a submission sends the rendered template, see
+:mod:`slurm_elastic.submit.slurm_backend`).
 """
 
 from slurm_elastic.submit.api import (
@@ -29,11 +31,19 @@ from slurm_elastic.submit.api import (
     submit,
     submit_from_config,
 )
-from slurm_elastic.submit.job import JobHandle, JobState, JobTimeoutError, LocalJob, SlurmJob
+from slurm_elastic.submit.job import (
+    JobFailedError,
+    JobHandle,
+    JobState,
+    JobTimeoutError,
+    LocalJob,
+    SlurmJob,
+)
 from slurm_elastic.submit.request import JobRequest, build_request
 
 __all__ = [
     "CLUSTERS",
+    "JobFailedError",
     "JobHandle",
     "JobRequest",
     "JobState",

@@ -165,7 +165,11 @@ def submit(
             ``None``/``"auto"``: Slurm when reachable, else local.
         folder: local jobs: their directory (default: a new temporary directory).
         module: run ``python -m entrypoint``.
-        python: Slurm jobs: the python command on the nodes (default this interpreter).
+        python: Slurm jobs: the python on the nodes; the script's launcher becomes
+            ``PYTHON -m slurm_elastic.cli.main`` (unless ``launcher`` is given). Default:
+            the template's ``launcher`` (``slurm-elastic`` on the job's ``PATH``; sbatch
+            passes the submitting environment), so the script is byte for byte what
+            ``slurm-elastic render`` prints for the same values.
         client: Slurm jobs: the Slurm seam to poll (default ``SlurmClient()``).
         **values: config keys (``nnodes="1:4"``, ``max_restarts=3``, ...) and template
             keys (``partition``, ``time``, ``setup``, ``output_dir``, ...), as in

@@ -13,14 +13,10 @@ from __future__ import annotations
 import abc
 import enum
 import logging
-import os
-import pickle
-import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from slurm_elastic.errors import SlurmElasticError, SlurmError
 from slurm_elastic.exit_codes import is_run_ok
@@ -29,11 +25,9 @@ from slurm_elastic.slurm.jobstate import JobInfo
 from slurm_elastic.slurm.jobstate import JobState as SlurmState
 from slurm_elastic.submit import processes
 
-if TYPE_CHECKING:
-    from submitit import Job as SubmititJob
-
 __all__ = [
     "SLURM_STATES",
+    "JobFailedError",
     "JobHandle",
     "JobState",
     "JobTimeoutError",
@@ -45,27 +39,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def load_private_pickle(path: Path) -> Any:
-    """Unpickle ``path`` only if it is a regular file owned by this user, not writable by
-    others (the same rule as checkpoints: a pickle another user can write runs their code).
-
-    Raises:
-        PermissionError: naming the path, its owner and mode.
-        OSError: it cannot be opened (a symbolic link is refused).
-    """
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise PermissionError(
-                f"refusing to unpickle {path}: owned by uid {st.st_uid} (this user: "
-                f"{os.geteuid()}), mode {stat.filemode(st.st_mode)}; only files this user "
-                "owns and others cannot write are read"
-            )
-        return pickle.load(fh)  # verified: our own file (owner, mode, no symlink) above
-
-
 class JobTimeoutError(SlurmElasticError, TimeoutError):
     """A job did not finish before the deadline given to :meth:`JobHandle.wait`."""
+
+
+class JobFailedError(SlurmElasticError):
+    """A job finished in another state than ``COMPLETED`` (:meth:`JobHandle.result`)."""
 
 
 class JobState(str, enum.Enum):
@@ -132,7 +111,8 @@ def summarize(states: Sequence[JobState]) -> JobState:
 
 
 class JobHandle(abc.ABC):
-    """A submitted job: ``state()``, ``wait()``, ``cancel()``, ``log_paths()``."""
+    """A submitted job: ``state()``, ``wait()``, ``result()``, ``cancel()``, ``log_paths()``
+    (submitit's job conventions; the state comes from our own Slurm seam)."""
 
     #: the job's id (the run id for local jobs)
     job_id: str
@@ -178,6 +158,22 @@ class JobHandle(abc.ABC):
                     "wait longer or cancel it"
                 )
             time.sleep(poll_s)
+
+    def result(self, timeout_s: float | None = None, poll_s: float = 0.5) -> JobState:
+        """Wait for the job; return ``COMPLETED`` or raise (as submitit's ``job.result()``).
+
+        Raises:
+            JobFailedError: the job finished FAILED, CANCELLED or UNKNOWN; the message
+                names the state and the log files to read.
+            JobTimeoutError: see :meth:`wait`.
+        """
+        state = self.wait(timeout_s, poll_s)
+        if state != JobState.COMPLETED:
+            logs = ", ".join(str(p) for p in self.log_paths()) or "none"
+            raise JobFailedError(
+                f"job {self.job_id} ended {state.value}, not COMPLETED; read its logs: {logs}"
+            )
+        return state
 
     @abc.abstractmethod
     def cancel(self) -> None:
@@ -260,15 +256,16 @@ class LocalJob(JobHandle):
 
 
 class SlurmJob(JobHandle):
-    """A job submitted to Slurm through submitit (an array, or one multi-node job).
+    """A job submitted to Slurm (an array, or one multi-node job).
 
-    Its state comes from our Slurm seam (``client.job_infos``), not from submitit,
-    whose ``sacct`` polling reports UNKNOWN forever on clusters without slurmdbd and
-    whose ``result()`` blocks forever for a job that died without a result.
+    Its state comes from our Slurm seam (``client.job_infos``: ``scontrol``, then
+    ``sacct`` where the site keeps accounting). A job Slurm no longer remembers
+    (``MinJobAge`` passed) on a cluster without accounting reads ``UNKNOWN``, never a
+    guess.
 
     Attributes:
-        submitit_jobs: submitit's job objects (one per array task, or one).
         task_refs: ``<job>_<task>`` for each array task, else ``[<job>]``.
+        sbatch_text: the script that was sent (the dry run's text).
     """
 
     cluster = "slurm"
@@ -277,15 +274,15 @@ class SlurmJob(JobHandle):
         self,
         job_id: str,
         task_refs: Sequence[str],
-        submitit_jobs: Sequence[SubmititJob[Any]],
         client: SlurmControl,
         sbatch_text: str,
+        logs: Sequence[Path] = (),
     ) -> None:
         self.job_id = job_id
         self.task_refs = list(task_refs)
-        self.submitit_jobs = list(submitit_jobs)
         self.sbatch_text = sbatch_text
         self._client = client
+        self._logs = list(logs)
 
     def task_states(self) -> list[JobState]:
         try:
@@ -301,37 +298,17 @@ class SlurmJob(JobHandle):
             for info in infos
         )
         out = []
-        for i, ref in enumerate(self.task_refs):
+        for ref in self.task_refs:
             if ref in by_ref:
                 out.append(by_ref[ref])
             elif pending_rest:
                 out.append(JobState.PENDING)
             else:
-                # gone from Slurm's memory and no sacct: submitit's result file tells
-                out.append(self._from_result_file(i))
+                out.append(JobState.UNKNOWN)
         return out
-
-    def _from_result_file(self, index: int) -> JobState:
-        if index >= len(self.submitit_jobs):
-            return JobState.UNKNOWN
-        path = Path(self.submitit_jobs[index].paths.result_pickle)
-        if not path.exists():
-            return JobState.UNKNOWN
-        try:
-            outcome = load_private_pickle(path)[0]
-        except PermissionError as exc:  # another user's (or a group-writable) pickle
-            log.warning("%s", exc)
-            return JobState.UNKNOWN
-        except Exception as exc:  # a torn or foreign pickle: we cannot tell
-            log.debug("unreadable result file %s: %s", path, exc)
-            return JobState.UNKNOWN
-        return JobState.COMPLETED if outcome == "success" else JobState.FAILED
 
     def cancel(self) -> None:
         self._client.cancel(self.job_id)
 
     def log_paths(self) -> list[Path]:
-        paths: list[Path] = []
-        for job in self.submitit_jobs:
-            paths += [Path(job.paths.stdout), Path(job.paths.stderr)]
-        return paths
+        return list(self._logs)

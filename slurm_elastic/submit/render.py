@@ -123,6 +123,7 @@ TEMPLATE_KEYS: dict[str, object] = {
     "mode": None,  # the template's name; `slurm-elastic submit` picks the shape with it
     "entrypoint": None,  # required: the training script (or module) the agents run
     "args": (),  # its arguments: a list, or one string of shell words
+    "module": False,  # the entrypoint is a module: the agents run `python -m entrypoint`
     "job_name": "slurm-elastic",
     "nodes": None,  # fault_tolerant only
     "signal_lead_s": 120,  # --signal=B:<preempt_signal>@<lead>: notice this early
@@ -153,21 +154,20 @@ CONFIG_KEYS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class SbatchOption:
-    """One template key that is a Slurm request option, in both submission paths.
+    """One template key that is a Slurm request option (an ``#SBATCH`` line).
 
     Attributes:
         key: the template key (``partition``).
         flag: the sbatch option of the rendered template (``--partition``).
-        submitit: the ``SlurmExecutor`` parameter of ``slurm-elastic submit``.
         boolean: a flag without a value (``--exclusive``), given when the value is true.
-        to_submitit: converts the value for submitit (the template takes it as text).
+        check: validates the value at render time (raises ``ConfigError`` naming it), so
+            a bad value fails here, not in sbatch.
     """
 
     key: str
     flag: str
-    submitit: str
     boolean: bool = False
-    to_submitit: Callable[[object], object] = lambda value: value
+    check: Callable[[object], object] | None = None
 
 
 def _cpus(value: object) -> int:
@@ -177,7 +177,7 @@ def _cpus(value: object) -> int:
 def slurm_time_minutes(value: object) -> int:
     """Minutes of a Slurm ``--time`` (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``).
 
-    Seconds round up to the next minute (submitit takes whole minutes).
+    Seconds round up to the next minute (the template checks a time with it).
 
     Raises:
         ConfigError: not a Slurm time.
@@ -209,18 +209,17 @@ def slurm_time_minutes(value: object) -> int:
     return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
 
 
-#: The one mapping of template keys to Slurm options, shared by the template renderer
-#: (``#SBATCH`` lines) and the submitit parameters of ``submit``.
+#: The one mapping of template keys to Slurm options (``#SBATCH`` lines).
 SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
-    SbatchOption("partition", "--partition", "partition"),
-    SbatchOption("account", "--account", "account"),
-    SbatchOption("qos", "--qos", "qos"),
-    SbatchOption("time", "--time", "time", to_submitit=slurm_time_minutes),
-    SbatchOption("constraint", "--constraint", "constraint"),
-    SbatchOption("mem", "--mem", "mem"),
-    SbatchOption("gpus_per_node", "--gpus-per-node", "gpus_per_node"),
-    SbatchOption("cpus_per_task", "--cpus-per-task", "cpus_per_task", to_submitit=_cpus),
-    SbatchOption("exclusive", "--exclusive", "exclusive", boolean=True),
+    SbatchOption("partition", "--partition"),
+    SbatchOption("account", "--account"),
+    SbatchOption("qos", "--qos"),
+    SbatchOption("time", "--time", check=slurm_time_minutes),
+    SbatchOption("constraint", "--constraint"),
+    SbatchOption("mem", "--mem"),
+    SbatchOption("gpus_per_node", "--gpus-per-node"),
+    SbatchOption("cpus_per_task", "--cpus-per-task", check=_cpus),
+    SbatchOption("exclusive", "--exclusive", boolean=True),
 )
 #: The template ``slurm-elastic submit`` and :func:`job_config` use without a ``mode``.
 DEFAULT_MODE = "elastic_array"
@@ -476,7 +475,8 @@ def template_values(
         "output_prefix": f"{_line('output_dir', output_dir).rstrip('/')}/" if output_dir else "",
         "launcher": " ".join(shlex.quote(w) for w in launcher),
         "launcher_command": shlex.quote(launcher[0]),
-        "entrypoint": shlex.quote(_line("entrypoint", entrypoint)),
+        "entrypoint": ("-m " if boolean_value("module", template["module"]) else "")
+        + shlex.quote(_line("entrypoint", entrypoint)),
         "signal_lead_s": str(_int("signal_lead_s", template["signal_lead_s"], 0)),
         "preempt_signal": resolved.preempt_signal,
         "min_nodes": str(resolved.min_nodes),
@@ -505,6 +505,8 @@ def template_values(
             if boolean_value(opt.key, value):
                 sbatch.append(f"#SBATCH {opt.flag}")
         else:
+            if opt.check is not None:
+                opt.check(value)
             sbatch.append(f"#SBATCH {opt.flag}={_line(opt.key, value)}")
     sbatch += [f"#SBATCH {arg}" for arg in _words("sbatch_args", template["sbatch_args"])]
     out["sbatch_options"] = "\n".join(sbatch)

@@ -38,10 +38,13 @@ class JobRequest:
         preempt_signal: the notice signal name (``USR2``).
         signal_lead_s: how long before the end Slurm sends it.
         job_name: Slurm job name.
-        output_dir: where Slurm/submitit write logs (on the shared filesystem).
+        output_dir: where local jobs' logs go by default (``logs``); a Slurm job writes
+            its log where the template's ``output_dir`` says.
         template: the remaining template keys (partition, time, ...).
         requeue_option: ``--requeue``, or ``--requeue=expedite`` (``expedited_requeue``,
             checked against the Slurm version when the request was built).
+        values: the flat values it was built from (``mode`` aside): a Slurm submission
+            renders its template from them, as ``slurm-elastic render`` does.
     """
 
     mode: str
@@ -57,6 +60,7 @@ class JobRequest:
     output_dir: str
     template: Mapping[str, Any] = field(default_factory=dict)
     requeue_option: str = "--requeue"
+    values: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def setup_lines(self) -> list[str]:
@@ -114,6 +118,8 @@ def build_request(
         merged["entrypoint"] = entrypoint
     if args is not None:
         merged["args"] = args
+    if module:
+        merged["module"] = True
     chosen = str(mode or merged.pop("mode", None) or DEFAULT_MODE)
     merged.pop("mode", None)
     if chosen not in render.TEMPLATES:
@@ -138,15 +144,15 @@ def build_request(
         mode=chosen,
         entrypoint=str(template["entrypoint"]),
         args=tuple(str(a) for a in arg_list),
-        module=module,
+        module=render.boolean_value("module", template.get("module", False)),
         overrides=overrides,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         preempt_signal=resolved["preempt_signal"],
         signal_lead_s=int(resolved["signal_lead_s"]),
         job_name=resolved["job_name"],
-        # submitit keeps pickles and logs per job under it: a subdirectory by default
         output_dir=str(template.get("output_dir") or "logs"),
         template={k: v for k, v in template.items() if k not in ("entrypoint", "args")},
         requeue_option=resolved["requeue_option"],
+        values=dict(merged),
     )

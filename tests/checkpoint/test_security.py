@@ -157,27 +157,3 @@ def test_symlink_loop_as_the_checkpoint_directory_gives_a_clear_message(tmp_path
         mgr.save({"w": torch.ones(4)}, 1)
     with pytest.raises(CheckpointError, match="symbolic link loop"):
         mgr.load_latest()
-
-
-def test_job_result_pickle_is_read_only_if_private(
-    shared_dir: Path, other_user: pwd.struct_passwd
-) -> None:
-    """submit/job.py reads submitit's result pickle: the same rule applies."""
-    from slurm_elastic.submit.job import load_private_pickle
-
-    ours = shared_dir / "ours_result.pkl"
-    ours.write_bytes(pickle.dumps(("success", 1)))
-    os.chmod(ours, 0o600)
-    assert load_private_pickle(ours) == ("success", 1)
-    marker = shared_dir / "pwned"
-    os.chmod(shared_dir, 0o777)
-    theirs = shared_dir / "theirs_result.pkl"
-    write_as(other_user, theirs, pickle.dumps(Payload(marker)))
-    with pytest.raises(
-        PermissionError, match=rf"theirs_result.pkl: owned by uid {other_user.pw_uid}"
-    ):
-        load_private_pickle(theirs)
-    os.chmod(ours, 0o620)
-    with pytest.raises(PermissionError, match="refusing to unpickle"):
-        load_private_pickle(ours)
-    assert not marker.exists()

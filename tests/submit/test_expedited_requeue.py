@@ -18,7 +18,13 @@ from slurm_elastic.cli.main import main
 from slurm_elastic.errors import ConfigError, SlurmCommandNotFoundError
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.site import EXPEDITED_REQUEUE_SINCE, SlurmVersion, parse_version
-from slurm_elastic.submit import build_request, plan_submission, render, slurm_backend
+from slurm_elastic.submit import (
+    build_request,
+    plan_submission,
+    render,
+    requeue_option,
+    slurm_backend,
+)
 from tests.conftest import SlurmCluster
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "slurm"
@@ -98,13 +104,12 @@ def test_requeue_expedite_in_our_own_requeue_key_points_to_the_template_key() ->
         render.render_template("elastic_array", {"entrypoint": "t.py", "requeue": "expedite"})
 
 
-def test_the_submitit_script_carries_expedite_too() -> None:
+def test_the_python_submission_carries_expedite_too(monkeypatch: pytest.MonkeyPatch) -> None:
     probe, _ = _injected(SlurmVersion(25, 11, 0))  # injected, as above
     request = build_request(VALUES, slurm_version=probe)
     assert request.requeue_option == "--requeue=expedite"
-    assert slurm_backend.submitit_parameters(request)["additional_parameters"]["requeue"] == (
-        "expedite"
-    )
+    # the submission renders the template again: the same probe answers
+    monkeypatch.setattr(requeue_option, "installed_slurm_version", probe)
     text = slurm_backend.sbatch_text(request, python="python3")
     assert _requeue_lines(text) == ["#SBATCH --requeue=expedite"]
     plain = build_request({"entrypoint": "t.py"})

@@ -1,7 +1,9 @@
 """Dry runs of slurm_elastic.submit: the exact sbatch text, without Slurm.
 
-The Slurm text comes from submitit's own sbatch renderer (what a real submission sends);
-golden files in tests/data/golden/submit_*.sbatch (regenerate: UPDATE_GOLDEN=1).
+One generator: the Slurm text is the rendered sbatch template, byte for byte what
+``slurm-elastic render`` prints for the same values and what a submission sends
+(``tests/submit/test_slurm_real.py`` checks what reaches Slurm). Golden files in
+tests/data/golden/submit_*.sbatch (regenerate: UPDATE_GOLDEN=1).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import pytest
 
 from slurm_elastic.errors import ConfigError
 from slurm_elastic.submit import build_request, plan_submission, resolve_cluster, submit_from_config
-from slurm_elastic.submit.slurm_backend import _minutes, submitit_parameters
+from slurm_elastic.submit.render import render_template, slurm_time_minutes
 
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden"
 
-COMMON = {"python": "python3", "output_dir": "/shared/logs", "cluster": "slurm"}
+COMMON = {"output_dir": "/shared/logs", "cluster": "slurm"}
 
 
 def _check_golden(name: str, text: str) -> None:
@@ -33,22 +35,26 @@ def _directives(text: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
 
 
-def test_array_dry_run_is_one_single_node_task_per_node() -> None:
+def test_array_dry_run_is_the_rendered_template_one_single_node_task_per_node() -> None:
     plan = plan_submission(
         "train.py", ["--epochs", "3"], nnodes="1:4", partition="low", time="02:00:00", **COMMON
     )
     assert plan.cluster == "slurm"
     _check_golden("submit_elastic_array.sbatch", plan.text)
+    values = {"entrypoint": "train.py", "args": ["--epochs", "3"], "nnodes": "1:4"}
+    values.update(partition="low", time="02:00:00", output_dir="/shared/logs")
+    assert plan.text == render_template("elastic_array", values)
     d = _directives(plan.text)
-    assert d["array"] == "0-3%4"
+    assert d["array"] == "0-3"
     assert (d["nodes"], d["ntasks-per-node"]) == ("1", "1")
-    assert d["signal"] == "USR2@120"
+    assert d["signal"] == "B:USR2@120"  # to the batch shell, which hands it to the agent
     assert d["open-mode"] == "append"
     assert "requeue" in d
-    assert d["time"] == "120"
-    assert "%A_%a" in d["output"]
-    assert "export SUBMITIT_PREEMPT_SIGNAL=USR2\n" in plan.text
-    assert "python3 -u -m submitit.core._submit /shared/logs/%j" in plan.text
+    assert d["time"] == "02:00:00"
+    assert d["output"] == "/shared/logs/%x-%A_%a.out"
+    assert "env --block-signal=USR2" in plan.text  # the early-notice handling
+    assert plan.text.rstrip().endswith("exec slurm-elastic agent train.py --epochs 3")
+    assert "submitit" not in plan.text and "pickle" not in plan.text
 
 
 def test_elastic_dry_run_is_one_job_with_node_range_and_srun_per_node() -> None:
@@ -57,7 +63,7 @@ def test_elastic_dry_run_is_one_job_with_node_range_and_srun_per_node() -> None:
     d = _directives(plan.text)
     assert d["nodes"] == "2-4"
     assert "array" not in d
-    srun = next(line for line in plan.text.splitlines() if line.startswith("srun "))
+    srun = next(line for line in plan.text.splitlines() if line.lstrip().startswith("srun "))
     assert "--kill-on-bad-exit=0" in srun
     assert "%j" in d["output"]
 
@@ -70,16 +76,24 @@ def test_fault_tolerant_dry_run_fixed_nodes() -> None:
     assert plan.request.overrides["nproc_per_node"] == 8  # the mode's default
 
 
-def test_preempt_signal_is_consistent_between_slurm_submitit_and_agent() -> None:
+def test_preempt_signal_is_consistent_between_slurm_and_agent() -> None:
     plan = plan_submission(
         "train.py", preempt_signal="SIGUSR1", signal_lead_s=300, nnodes="1:2", **COMMON
     )
-    assert _directives(plan.text)["signal"] == "USR1@300"
-    assert "export SUBMITIT_PREEMPT_SIGNAL=USR1\n" in plan.text
-    # the agents resolve their config on the node from these overrides
+    assert _directives(plan.text)["signal"] == "B:USR1@300"
+    assert "export SLURM_ELASTIC_PREEMPT_SIGNAL=USR1\n" in plan.text
+    assert "export SLURM_ELASTIC_SIGNAL_LEAD_S=300\n" in plan.text
     assert plan.request.overrides["preempt_signal"] == "SIGUSR1"
-    params = submitit_parameters(plan.request)
-    assert params["signal_delay_s"] == 300
+
+
+def test_python_sets_the_launcher_and_module_runs_python_dash_m() -> None:
+    plan = plan_submission("pkg.train", module=True, python="/opt/py/bin/python3", **COMMON)
+    assert plan.text.rstrip().endswith(
+        "exec /opt/py/bin/python3 -m slurm_elastic.cli.main agent -m pkg.train"
+    )
+    assert "command -v /opt/py/bin/python3 " in plan.text
+    own = plan_submission("t.py", python="python3", launcher="/x/slurm-elastic", **COMMON)
+    assert own.text.rstrip().endswith("exec /x/slurm-elastic agent t.py")
 
 
 def test_user_values_reach_the_request_and_unknown_keys_fail() -> None:
@@ -101,10 +115,8 @@ def test_sbatch_args_and_bad_time() -> None:
     d = _directives(plan.text)
     assert d["mail-type"] == "END"
     assert "hold" in d
-    with pytest.raises(ConfigError, match=r"use the long form"):
-        plan_submission("t.py", sbatch_args=["-p", "x"], **COMMON)
     with pytest.raises(ConfigError, match=r"time 'soon'"):
-        _minutes("soon")
+        plan_submission("t.py", time="soon", **COMMON)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +124,7 @@ def test_sbatch_args_and_bad_time() -> None:
     [("90", 90), ("1:30", 2), ("02:00:00", 120), ("1-12", 2160), ("1-00:30", 1470), (45, 45)],
 )
 def test_slurm_time_forms(text: object, minutes: int) -> None:
-    assert _minutes(text) == minutes
+    assert slurm_time_minutes(text) == minutes
 
 
 def test_local_dry_run_lists_one_agent_per_node(tmp_path: Path) -> None:
@@ -177,5 +189,7 @@ def test_cli_render_and_submit_dry_run_through_main(
     assert "#SBATCH --array=0-2\n" in text
     assert "#SBATCH --exclusive\n" in text
     assert text.rstrip().endswith("exec slurm-elastic agent train.py --lr 0.1")
+    assert main(["render", "elastic_array", "--config", str(cfg)]) == 0
+    rendered = capsys.readouterr().out
     assert main(["submit", str(cfg), "--cluster", "slurm", "--dry-run"]) == 0
-    assert "#SBATCH --array=0-2%3" in capsys.readouterr().out
+    assert capsys.readouterr().out == rendered  # one generator: the same script

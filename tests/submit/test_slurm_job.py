@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from slurm_elastic.slurm.commands import SlurmClient
-from slurm_elastic.submit import JobState, JobTimeoutError, SlurmJob
+from slurm_elastic.submit import JobFailedError, JobState, JobTimeoutError, SlurmJob
 from slurm_elastic.submit.job import summarize
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "slurm"
@@ -57,7 +57,7 @@ def _task_state(text: str, task: int, state: str) -> str:
 
 def _job(runner: Replay) -> SlurmJob:
     refs = [f"9_{i}" for i in range(4)]
-    return SlurmJob("9", refs, [], SlurmClient(runner=runner), sbatch_text="")
+    return SlurmJob("9", refs, SlurmClient(runner=runner), sbatch_text="")
 
 
 def test_running_array_is_running() -> None:
@@ -82,6 +82,20 @@ def test_failed_task_makes_the_job_failed_and_requeued_is_pending() -> None:
     assert _job(Replay(text)).state() == JobState.FAILED
     requeued = _task_state(ARRAY, 2, "REQUEUED")
     assert _job(Replay(requeued)).task_states()[2] == JobState.PENDING
+
+
+def test_result_returns_completed_or_raises_naming_the_state_and_the_logs() -> None:
+    done = ARRAY
+    for task in range(4):
+        done = _task_state(done, task, "COMPLETED" if task < 2 else "CANCELLED")
+    assert _job(Replay(done)).result(timeout_s=5, poll_s=0.01) == JobState.COMPLETED
+    failed = ARRAY
+    for task in range(4):
+        failed = _task_state(failed, task, "FAILED" if task == 1 else "COMPLETED")
+    job = SlurmJob("9", [f"9_{i}" for i in range(4)], SlurmClient(runner=Replay(failed)), "",
+                   logs=[Path("/shared/logs/slurm-elastic-9_1.out")])  # fmt: skip
+    with pytest.raises(JobFailedError, match=r"job 9 ended FAILED.*slurm-elastic-9_1\.out"):
+        job.result(timeout_s=5, poll_s=0.01)
 
 
 def test_wait_has_a_deadline_for_a_job_that_never_ends() -> None:

@@ -1,4 +1,4 @@
-"""End to end on the local Slurm cluster: submitit submission and the rendered templates.
+"""End to end on the local Slurm cluster: the Python submission and the rendered templates.
 
 Each job runs real node agents (``run_agent``) that train with gloo across two Slurm
 nodes, and writes what every rank saw into tmp_path (shared by all nodes).
@@ -6,16 +6,17 @@ nodes, and writes what every rank saw into tmp_path (shared by all nodes).
 
 from __future__ import annotations
 
-import logging
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from slurm_elastic.cli.main import main
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.jobstate import JobState as SlurmState
 from slurm_elastic.submit import JobState, plan_submission, render, submit
+from slurm_elastic.yamlfile import load_mapping
 from tests.conftest import SlurmCluster
 from tests.helpers import wait_for
 
@@ -52,7 +53,7 @@ def _check_two_ranks(out: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["elastic_array", "elastic"])
-def test_submitit_node_agents_train_across_two_nodes(
+def test_python_submission_agents_train_across_two_nodes(
     slurm_cluster: SlurmCluster, tmp_path: Path, mode: str
 ) -> None:
     train, out = _setup(tmp_path)
@@ -60,6 +61,7 @@ def test_submitit_node_agents_train_across_two_nodes(
         train,
         cluster="slurm",
         client=slurm_cluster.client,
+        python=sys.executable,  # the launcher on the nodes: this venv's slurm-elastic
         mode=mode,
         nnodes="2:2",
         output_dir=str(tmp_path / "logs"),
@@ -69,12 +71,11 @@ def test_submitit_node_agents_train_across_two_nodes(
         **FAST,
     )
     try:
-        state = job.wait(timeout_s=240, poll_s=1)
+        assert job.result(timeout_s=240, poll_s=1) == JobState.COMPLETED
     finally:
         if not job.done():
             job.cancel()
-    logs = "\n".join(p.read_text()[-2000:] for p in job.log_paths() if p.exists())
-    assert state == JobState.COMPLETED, logs
+    assert all(p.is_file() for p in job.log_paths()), job.log_paths()
     assert len(job.task_refs) == (2 if mode == "elastic_array" else 1)
     _check_two_ranks(out)
 
@@ -187,23 +188,31 @@ def test_batch_signal_reaches_every_worker_through_the_rendered_script(
 
 
 @pytest.mark.parametrize("mode", ["elastic_array", "elastic"])
-def test_submit_sends_exactly_the_dry_run_script(
-    slurm_cluster: SlurmCluster, tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+def test_one_script_rendered_planned_and_sent_is_what_slurm_runs(
+    slurm_cluster: SlurmCluster, tmp_path: Path, mode: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`submit --dry-run` is the submission: the script submitit wrote equals the plan."""
-    values = {
-        "mode": mode,
-        "nnodes": "1:2",
-        "output_dir": str(tmp_path / "logs"),
-        "state_dir": str(tmp_path / "state"),
-        "sbatch_args": ["--hold"],  # never runs: only the submitted text matters
-    }
-    plan = plan_submission("train.py", cluster="slurm", **values)
-    with caplog.at_level(logging.WARNING, logger="slurm_elastic.submit"):
-        job = submit("train.py", cluster="slurm", client=slurm_cluster.client, **values)
-    assert "differs from `submit --dry-run`" not in caplog.text
+    """One generator: for the same job file, `slurm-elastic render`, `submit --dry-run`,
+    the Python plan and the Python submission give one script, byte for byte, and that
+    script is the one Slurm holds for the job (`scontrol write batch_script`)."""
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        f"mode: {mode}\nentrypoint: train.py\nargs: [--lr, '0.1']\nnnodes: '1:2'\n"
+        f"output_dir: {tmp_path / 'logs'}\nstate_dir: {tmp_path / 'state'}\n"
+        "partition: low\ntime: '00:10:00'\n"
+        "sbatch_args: [--hold]\n"  # never runs: only the script matters
+    )
+    assert main(["render", mode, "--config", str(job_file)]) == 0
+    rendered = capsys.readouterr().out
+    assert main(["submit", str(job_file), "--cluster", "slurm", "--dry-run"]) == 0
+    assert capsys.readouterr().out == rendered
+    values = load_mapping(job_file, "job file")
+    assert plan_submission(cluster="slurm", **values).text == rendered
+    job = submit(cluster="slurm", client=slurm_cluster.client, **values)
     try:
-        sent = (tmp_path / "logs" / job.job_id / f"{job.job_id}_submission.sh").read_text()
+        held = slurm_cluster.client.run(["scontrol", "write", "batch_script", job.job_id, "-"])
     finally:
         slurm_cluster.client.cancel(job.job_id)
-    assert sent == plan.text == job.sbatch_text
+    assert job.sbatch_text == rendered
+    assert held.stdout == rendered
+    first = f"{job.job_id}_0" if mode == "elastic_array" else job.job_id
+    assert job.log_paths()[0] == tmp_path / "logs" / f"slurm-elastic-{first}.out"

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
         "from slurm_elastic.config import load_config",
         "from slurm_elastic.slurm.control import SlurmControl",
         "from slurm_elastic.submit import submit, plan_submission",
-        "from slurm_elastic.submit.node import run_node",
+        "from slurm_elastic.submit.node import run_spec",
         "from slurm_elastic import notice, events",
     ],
 )
