@@ -7,32 +7,31 @@ spec, agent, shutdown) and adds what a Slurm node needs:
   creates the node's notice file and is forwarded to the workers, which checkpoint and
   exit (``slurm_elastic.notice``); the agent waits up to ``shutdown_timeout_s`` for them,
   leaves the rendezvous *without closing it* (survivors re-form at once), and requeues
-  only its own job or array task when the policy allows;
+  only its own job or array task when the policy allows (:mod:`.stop`, :mod:`.requeue`);
 * the end of a run: on success the rendezvous is closed and the array's still-pending
   tasks are cancelled, so nothing of the job stays in the queue; a node that comes back
   after the run was closed exits 0 at once;
 * exit codes that say what happened (:class:`~slurm_elastic.agent.exit_codes.ExitCode`).
+
+The pieces live beside it: :mod:`.rendezvous_params` (config to torch's rendezvous
+parameters), :mod:`.worker_env` (the workers' command and environment),
+:mod:`.run_files` (private directories, run key, log layout).
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import math
 import os
 import shutil
 import signal
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.multiprocessing import SignalException, Std
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -41,12 +40,28 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
 )
 
-from slurm_elastic import envvars, events, notice, signals
+from slurm_elastic import envvars, events, notice
 from slurm_elastic.agent import node_dirs
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.agent.notice_window import check_notice_window
+from slurm_elastic.agent.rendezvous_params import rendezvous_parameters
+from slurm_elastic.agent.requeue import cancel_pending_tasks, requeue_own
+from slurm_elastic.agent.run_files import (
+    RoundLogsSpecs,
+    private_directories,
+    run_key,
+    worker_logs,
+)
+from slurm_elastic.agent.stop import (
+    Stop,
+    act_on_early_signals,
+    exit_after_signal,
+    install_stop_handlers,
+    leave_rendezvous,
+)
 from slurm_elastic.agent.watchdog import ProgressWatch
+from slurm_elastic.agent.worker_env import python_entrypoint, worker_environment
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import (
     ConfigError,
@@ -55,169 +70,13 @@ from slurm_elastic.errors import (
     SlurmError,
     UnsafeDirectoryError,
 )
-from slurm_elastic.live import auth, control
-from slurm_elastic.privatefs import ensure_private_dir, private_tree
-from slurm_elastic.rendezvous.options import RendezvousOptions, check_keys
-from slurm_elastic.rendezvous.protocols import LeavableRendezvous
-from slurm_elastic.slurm.control import SlurmControl, default_control
+from slurm_elastic.live import control
+from slurm_elastic.slurm.control import SlurmControl
 from slurm_elastic.slurm.env import SlurmEnv
 
-__all__ = ["WORKER_ENV", "rendezvous_parameters", "run_agent"]
+__all__ = ["run_agent"]
 
 log = logging.getLogger(__name__)
-
-#: Variables the agent adds to its workers' environment (besides torch's).
-WORKER_ENV = (
-    envvars.RUN_ID_ENV,
-    envvars.CHECKPOINT_DIR_ENV,
-    envvars.EVENTS_DIR_ENV,
-    envvars.REQUEUE_COUNT_ENV,
-    envvars.NOTICE_FILE_ENV,
-    envvars.HEARTBEAT_FILE_ENV,
-    envvars.PREEMPT_SIGNAL_ENV,
-    control.CONTROL_DIR_ENV,
-    control.ROUND_ENV,
-)
-
-_TORCH_BACKENDS_INT_TIMEOUTS = ("c10d", "etcd-v2", "etcd", "static")
-
-
-def _seconds(value: float, backend: str) -> str:
-    # torch's handlers read timeouts with get_as_int; ours accepts fractions.
-    if backend in _TORCH_BACKENDS_INT_TIMEOUTS:
-        return str(max(1, math.ceil(value)))
-    return repr(float(value))
-
-
-def rendezvous_parameters(
-    config: ElasticConfig, extra_conf: Mapping[str, str] | None = None
-) -> RendezvousParameters:
-    """Translate the config into torch's ``RendezvousParameters`` for any backend."""
-    if config.run_id is None:
-        raise ConfigError(
-            "no run id: outside a Slurm job pass --rdzv-id (or run_id in the config file)"
-        )
-    backend = config.rdzv_backend
-    endpoint = str(config.rdzv_dir) if backend == "slurm" else (config.rdzv_endpoint or "")
-    if backend != "slurm" and not endpoint:
-        raise ConfigError(
-            f"rdzv_backend {backend!r} needs --rdzv-endpoint HOST:PORT (e.g. an etcd server)"
-        )
-    conf: dict[str, Any] = {
-        "join_timeout": _seconds(config.join_timeout_s, backend),
-        "last_call_timeout": _seconds(config.last_call_timeout_s, backend),
-        "close_timeout": _seconds(config.close_timeout_s, backend),
-    }
-    if backend == "slurm":
-        conf["heartbeat_interval"] = _seconds(config.heartbeat_interval_s, backend)
-        conf["heartbeat_miss_limit"] = str(config.heartbeat_miss_limit)
-    else:
-        conf["keep_alive_interval"] = _seconds(config.heartbeat_interval_s, backend)
-        conf["keep_alive_max_attempt"] = str(config.heartbeat_miss_limit)
-    _check_extra_conf(backend, extra_conf or {})
-    conf.update(extra_conf or {})
-    params = RendezvousParameters(
-        backend=backend,
-        endpoint=endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **conf,
-    )
-    if backend == "slurm":
-        RendezvousOptions.from_parameters(params)  # every key and value, before any I/O
-    return params
-
-
-#: The ``--rdzv-conf`` keys torch's own backends read (torch 2.13).
-_TORCH_CONF_KEYS = (
-    "join_timeout",
-    "last_call_timeout",
-    "close_timeout",
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "timeout",
-    "read_timeout",
-    "is_host",
-    "store_type",
-    "rank",
-    "protocol",
-    "cacert",
-    "ca_cert",
-    "cert",
-    "key",
-    "ssl_cert",
-    "ssl_cert_key",
-    "etcd_prefix",
-)
-
-
-def _check_extra_conf(backend: str, extra: Mapping[str, str]) -> None:
-    """Refuse unknown ``--rdzv-conf`` keys (slurm: :mod:`~slurm_elastic.rendezvous.options`)."""
-    if backend == "slurm":
-        check_keys(extra)
-        return
-    for key in sorted(extra):
-        if key not in _TORCH_CONF_KEYS:
-            close = difflib.get_close_matches(key, _TORCH_CONF_KEYS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(
-                f"unknown rendezvous option {key!r} for backend {backend!r} (--rdzv-conf)"
-                f"{hint} (known: {', '.join(_TORCH_CONF_KEYS)})"
-            )
-
-
-class _Stop:
-    """What asked the agent to stop; set from signal handlers (main thread only)."""
-
-    def __init__(self, notice_signal: signal.Signals, notice_file: Path) -> None:
-        self.notice_signal = notice_signal
-        self.notice_file = notice_file
-        self.noticed = False  # preemption/time-limit notice seen
-        self.stopping = False  # a SignalException is already on its way
-        self.signals: list[str] = []
-        #: set once the agent exists: starts a graceful leave in place, if possible
-        self.leave_in_place: Callable[[], bool] | None = None
-        self.leaving_in_place = False
-
-    def handler(self, signum: int, frame: FrameType | None) -> None:
-        sig = signal.Signals(signum)
-        self.signals.append(sig.name)
-        if sig == self.notice_signal:
-            self.noticed = True
-        # Workers learn of it from the file even before the forwarded signal arrives.
-        notice.raise_notice(self.notice_file, reason=sig.name)
-        if self.stopping:
-            return  # e.g. Slurm's SIGTERM after the USR2 notice: already shutting down
-        # A notice, or Slurm's SIGTERM at preemption (KillWait follows): leave in place
-        # when the workers can, so the survivors re-form without waiting for them.
-        if (
-            sig in (self.notice_signal, signal.SIGTERM)
-            and not self.leaving_in_place
-            and self.leave_in_place is not None
-            and self.leave_in_place()
-        ):
-            # The workers train on until the survivors switch, then exit; the agent
-            # then stops through the ordinary path. A second signal escalates.
-            self.leaving_in_place = True
-            log.warning("received %s: leaving in place (workers exit at the switch)", sig.name)
-            events.emit(events.AgentSignal(signal=sig.name, notice=self.noticed, in_place=True))
-            return
-        self.stopping = True
-        log.warning("received %s: stopping workers (they checkpoint first)", sig.name)
-        events.emit(events.AgentSignal(signal=sig.name, notice=self.noticed))
-        # torch's agent forwards ``sigval`` to the workers and waits shutdown_timeout_s:
-        # forward the notice signal, which workers handle (checkpoint, then exit), even
-        # for SIGTERM, whose default action would kill them before they can save.
-        raise SignalException(f"agent {os.getpid()} got {sig.name}", sigval=self.notice_signal)
-
-
-def _python_entrypoint(entrypoint: str, args: Sequence[str], module: bool) -> tuple[str, tuple]:
-    if module:
-        return sys.executable, ("-u", "-m", entrypoint, *args)
-    return sys.executable, ("-u", entrypoint, *args)
 
 
 def run_agent(
@@ -257,159 +116,96 @@ def run_agent(
     control_dir = node_dir / "control"
     try:
         return _run(
-            config,
-            entrypoint,
-            args,
-            module,
-            redirects,
-            tee,
-            rdzv_conf,
-            slurm,
-            client,
-            notice_file,
-            heartbeat_file,
-            control_dir,
+            _Launch(
+                config=config,
+                entrypoint=entrypoint,
+                args=tuple(args),
+                module=module,
+                redirects=redirects,
+                tee=tee,
+                rdzv_conf=rdzv_conf,
+                slurm=slurm,
+                client=client,
+                notice_file=notice_file,
+                heartbeat_file=heartbeat_file,
+                control_dir=control_dir,
+            )
         )
     finally:
         shutil.rmtree(node_dir, ignore_errors=True)
 
 
-def _worker_environment(
-    config: ElasticConfig,
-    slurm: SlurmEnv,
-    notice_file: Path,
-    heartbeat_file: Path,
-    control_dir: Path,
-) -> dict[str, str]:
-    values: dict[str, object] = {
-        envvars.RUN_ID_ENV: config.run_id,
-        envvars.CHECKPOINT_DIR_ENV: config.checkpoint_dir,
-        envvars.EVENTS_DIR_ENV: config.events_dir,
-        envvars.REQUEUE_COUNT_ENV: slurm.restart_count,
-        envvars.NOTICE_FILE_ENV: notice_file,
-        envvars.HEARTBEAT_FILE_ENV: heartbeat_file,
-        envvars.PREEMPT_SIGNAL_ENV: config.preempt_signal,
-        control.CONTROL_DIR_ENV: control_dir,
-        # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
-    }
-    if "OMP_NUM_THREADS" not in os.environ:
-        # torchrun sets 1 when several workers share a node; we know the node's CPUs from
-        # Slurm, so give each worker its share (torch would otherwise size its thread
-        # pools by the whole machine, not by the allocation).
-        nproc = config.nproc_per_node or 1
-        cpus = slurm.cpus_on_node or os.cpu_count() or 1
-        values["OMP_NUM_THREADS"] = max(1, cpus // nproc)
-        log.info(
-            "OMP_NUM_THREADS unset: %s per worker (%s CPUs / %s workers)",
-            values["OMP_NUM_THREADS"],
-            cpus,
-            nproc,
+@dataclass(frozen=True)
+class _Launch:
+    """One agent's launch: what :func:`run_agent` was asked to run, and where.
+
+    Attributes:
+        config: the resolved configuration.
+        entrypoint, args, module: the workers' script or module and its arguments.
+        redirects, tee: torchrun's ``--redirects`` and ``--tee``, as the user gave them.
+        rdzv_conf: extra rendezvous settings (``--rdzv-conf``).
+        slurm: the node's Slurm environment.
+        client: the Slurm seam (``None``: the default one, created when first needed).
+        notice_file, heartbeat_file, control_dir: the node-local files through which the
+            agent and its workers talk (:mod:`.node_dirs`).
+    """
+
+    config: ElasticConfig
+    entrypoint: str
+    args: Sequence[str]
+    module: bool
+    redirects: str
+    tee: str
+    rdzv_conf: Mapping[str, str] | None
+    slurm: SlurmEnv
+    client: SlurmControl | None
+    notice_file: Path
+    heartbeat_file: Path
+    control_dir: Path
+
+
+def _run(launch: _Launch) -> int:
+    """The agent's life in steps: the run's files, the stop signals, the rendezvous, the
+    workers' rounds, and what the node asks of Slurm as it leaves."""
+    config = launch.config
+    os.environ.update(
+        worker_environment(
+            config, launch.slurm, launch.notice_file, launch.heartbeat_file, launch.control_dir
         )
-    return {k: str(v) for k, v in values.items() if v is not None}
-
-
-class _RoundLogsSpecs(DefaultLogsSpecs):
-    """torch's log layout, one ``attempt_<n>`` directory per round, none overwritten.
-
-    torch names a round's directory after ``TORCHELASTIC_RESTART_COUNT`` and deletes it
-    first; a restart not charged to ``max_restarts`` (a membership change) reuses the
-    count and would wipe the previous round's logs. Here ``n`` counts rounds instead (the
-    workers' environment is unchanged).
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._rounds = 0
-        self._root = kwargs.get("log_dir")
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> Any:
-        numbered = {
-            r: {**e, "TORCHELASTIC_RESTART_COUNT": str(self._rounds)} for r, e in envs.items()
-        }
-        self._rounds += 1
-        dest = super().reify(numbered)
-        if self._root:  # torch makes attempt_<n>/<rank> with the umask: 0700 like ours
-            private_tree(Path(self._root))
-        return dest
-
-
-def _worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path | None, str, str]:
-    """Where the workers' output goes: per-rank files kept across restarts and requeues.
-
-    With no ``log_dir`` configured, the files go under ``state_dir/logs/<run_id>`` and are
-    also copied to the agent's output (``tee``), each line prefixed ``[rank<R>]:``, unless
-    the user chose ``redirects``/``tee`` explicitly (``slurm-elastic logs`` reads them).
-    """
-    if config.log_dir is not None:
-        return config.log_dir, redirects, tee
-    if config.run_id is None or (redirects, tee) != ("0", "0"):
-        return None, redirects, tee
-    return config.state_dir / "logs" / config.run_id, "0", "3"
-
-
-def _private_directories(config: ElasticConfig, log_dir: Path | None) -> None:
-    """Create the run's directories ``0700`` (whatever the umask or a setgid parent) and
-    check the existing ones: the state directory and, wherever they are, the rendezvous
-    root, checkpoints, events and logs. Below the state directory every component must be
-    private; a directory configured elsewhere is checked from itself down.
-
-    Raises:
-        UnsafeDirectoryError: a component is a link, not ours, or writable by others.
-        OSError: one cannot be created.
-    """
-    state = Path(os.path.abspath(config.state_dir))
-    wanted: list[Path | None] = [state, config.events_dir, config.checkpoint_dir, log_dir]
-    if config.rdzv_backend == "slurm":
-        wanted.append(config.rdzv_dir)
-    for directory in wanted:
-        if directory is None:
-            continue
-        path = Path(os.path.abspath(directory))
-        inside = path == state or state in path.parents
-        ensure_private_dir(path, root=state if inside else path)
-
-
-def _run_key(config: ElasticConfig) -> Path:
-    """The run key's file (created by the first agent), in the run's private directory
-    that every node shares: the rendezvous root for the ``slurm`` backend, else the state
-    directory. Its workers seal the round's store with it (:mod:`slurm_elastic.live.auth`).
-    """
-    base = Path(
-        os.path.abspath(config.rdzv_dir if config.rdzv_backend == "slurm" else config.state_dir)
     )
-    keys = ensure_private_dir(base / ".keys", root=base)
-    return auth.load_or_create_key(keys, f"{config.run_id or 'run'}.key")
-
-
-def _run(
-    config: ElasticConfig,
-    entrypoint: str,
-    args: Sequence[str],
-    module: bool,
-    redirects: str,
-    tee: str,
-    rdzv_conf: Mapping[str, str] | None,
-    slurm: SlurmEnv,
-    client: SlurmControl | None,
-    notice_file: Path,
-    heartbeat_file: Path,
-    control_dir: Path,
-) -> int:
-    os.environ.update(_worker_environment(config, slurm, notice_file, heartbeat_file, control_dir))
     log.info("agent config: %s", config.as_dict())
-    log_dir, redirects, tee = _worker_logs(config, redirects, tee)
+    log_dir, redirects, tee = worker_logs(config, launch.redirects, launch.tee)
+    if not _prepare_run_files(config, log_dir):
+        return ExitCode.USAGE
+    _announce_start(launch, log_dir)
+    stop, early = install_stop_handlers(config.preempt_signum, launch.notice_file)
+    handler = _open_rendezvous(launch, stop, early)
+    if isinstance(handler, ExitCode):
+        return handler
+    agent = _make_agent(launch, handler, stop, log_dir, redirects, tee)
+    stop.leave_in_place = agent.request_live_leave
+    return _supervise(launch, agent, handler, stop)
+
+
+def _prepare_run_files(config: ElasticConfig, log_dir: Path | None) -> bool:
+    """Create and check the run's private directories and its key (False: unusable)."""
     try:
-        _private_directories(config, log_dir)
-        os.environ[envvars.KEY_FILE_ENV] = str(_run_key(config))
+        private_directories(config, log_dir)
+        os.environ[envvars.KEY_FILE_ENV] = str(run_key(config))
     except (UnsafeDirectoryError, OSError) as exc:
         log.error("cannot use the run's directories: %s", exc)
-        return ExitCode.USAGE
+        return False
+    return True
+
+
+def _announce_start(launch: _Launch, log_dir: Path | None) -> None:
+    """The ``AgentStart`` event, and the run's record for ``slurm-elastic status JOB``."""
+    config = launch.config
     events.emit(
         events.AgentStart(
             config=config.as_dict(),
-            requeue_count=slurm.restart_count,
-            job=slurm.own_job_ref,
+            requeue_count=launch.slurm.restart_count,
+            job=launch.slurm.own_job_ref,
         )
     )
     if config.run_id and config.events_dir:  # so that `slurm-elastic status JOB` finds it
@@ -421,28 +217,24 @@ def _run(
             log_dir=log_dir,
         )
 
-    stop = _Stop(config.preempt_signum, notice_file)
-    handled = {config.preempt_signum, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
-    for sig in handled:
-        signal.signal(sig, stop.handler)
-    early = signals.take_early_notices(handled)
-    # The job script may start the agent with the notice blocked (held pending until
-    # now): from here on the handler acts on it.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
 
+def _open_rendezvous(
+    launch: _Launch, stop: Stop, early: list[signal.Signals]
+) -> RendezvousHandler | ExitCode:
+    """Act on start-up signals, check the notice window, create the rendezvous handler.
+
+    Returns:
+        The handler, or the :class:`ExitCode` of an agent that stops before any round.
+    """
+    config = launch.config
     try:
-        for sig in early:  # a notice during start-up: act on it now (raises)
-            if sig in handled:
-                log.warning("%s arrived while the agent was starting: acting on it now", sig.name)
-                stop.handler(sig, None)
-            else:
-                log.warning("ignored %s during start-up: not the notice signal", sig.name)
+        act_on_early_signals(stop, early)  # a notice during start-up: act on it now (raises)
         # does a checkpoint save fit the warning this task gets? (a WARNING if not)
-        check_notice_window(config, slurm, os.environ)
-        params = rendezvous_parameters(config, rdzv_conf)
-        handler = rdzv_registry.get_rendezvous_handler(params)
+        check_notice_window(config, launch.slurm, os.environ)
+        params = rendezvous_parameters(config, launch.rdzv_conf)
+        return rdzv_registry.get_rendezvous_handler(params)
     except SignalException:  # stopped before there was anything to stop
-        return _after_signal(config, slurm, client, None, stop)
+        return exit_after_signal(config, launch.slurm, launch.client, None, stop)
     except RendezvousClosedError as exc:  # a late agent of a run that has finished
         log.info("the run %s is already finished: nothing to do (%s)", config.run_id, exc)
         events.emit(events.AgentExit(code=ExitCode.FINISHED.name))
@@ -456,7 +248,18 @@ def _run(
         events.emit(events.AgentExit(code=ExitCode.RENDEZVOUS_FAILED.name, error=str(exc)))
         return ExitCode.RENDEZVOUS_FAILED
 
-    cmd, cmd_args = _python_entrypoint(entrypoint, args, module)
+
+def _make_agent(
+    launch: _Launch,
+    handler: RendezvousHandler,
+    stop: Stop,
+    log_dir: Path | None,
+    redirects: str,
+    tee: str,
+) -> SlurmElasticAgent:
+    """torch's worker spec and our agent, wired to the node's files and the stop signals."""
+    config = launch.config
+    cmd, cmd_args = python_entrypoint(launch.entrypoint, launch.args, launch.module)
     spec = WorkerSpec(
         role="trainer",
         local_world_size=config.nproc_per_node or 1,
@@ -471,13 +274,13 @@ def _run(
     def before_round(group: WorkerGroup) -> None:
         # The old workers are stopped: the next ones start clean, with no stale notice
         # and no progress report of the last attempt.
-        notice.clear_notice(notice_file)
-        notice.clear_notice(heartbeat_file)
-        control.clear(control_dir)
+        notice.clear_notice(launch.notice_file)
+        notice.clear_notice(launch.heartbeat_file)
+        control.clear(launch.control_dir)
 
-    agent = SlurmElasticAgent(
+    return SlurmElasticAgent(
         spec=spec,
-        logs_specs=_RoundLogsSpecs(
+        logs_specs=RoundLogsSpecs(
             log_dir=str(log_dir) if log_dir else None,
             redirects=Std.from_str(redirects),
             tee=Std.from_str(tee),
@@ -490,17 +293,22 @@ def _run(
         # The watchdog arms at the first progress report of a round: start-up (imports,
         # data loading, process-group init) may legitimately take long, and a peer that
         # never arrives is the rendezvous' business, not the watchdog's.
-        progress=ProgressWatch(heartbeat_file),
+        progress=ProgressWatch(launch.heartbeat_file),
         hang_timeout_s=config.hang_timeout_s,
         before_round=before_round,
-        control_dir=control_dir,
-        notice_file=notice_file,
+        control_dir=launch.control_dir,
+        notice_file=launch.notice_file,
         notice_signal=stop.notice_signal,
-        leave=lambda: _leave(handler),
+        leave=lambda: leave_rendezvous(handler),
         leave_timeout_s=config.shutdown_timeout_s,
     )
-    stop.leave_in_place = agent.request_live_leave
 
+
+def _supervise(
+    launch: _Launch, agent: SlurmElasticAgent, handler: RendezvousHandler, stop: Stop
+) -> ExitCode:
+    """Run the workers' rounds to the end; then close the run on success, or requeue."""
+    config = launch.config
     code = ExitCode.FAILED
     try:
         result = agent.run()
@@ -515,7 +323,7 @@ def _run(
             )
             code = ExitCode.FAILED
     except SignalException:
-        code = _after_signal(config, slurm, client, handler, stop)
+        code = exit_after_signal(config, launch.slurm, launch.client, handler, stop)
         return code
     except (RendezvousClosedError, RendezvousGracefulExitError):
         log.info("the run %s is already finished: nothing to do", config.run_id)
@@ -534,117 +342,9 @@ def _run(
     if code == ExitCode.FINISHED:
         with contextlib.suppress(RendezvousError):
             handler.shutdown()
-        _cancel_pending_tasks(slurm, client)
+        cancel_pending_tasks(launch.slurm, launch.client)
     elif config.requeue == "always":
-        outcome = _requeue_own(config, slurm, client)
+        outcome = requeue_own(config, launch.slurm, launch.client)
         if isinstance(outcome, SlurmError):
-            log.warning("requeue of %s failed: %s", slurm.own_job_ref, outcome)
+            log.warning("requeue of %s failed: %s", launch.slurm.own_job_ref, outcome)
     return code
-
-
-def _leave(handler: RendezvousHandler | None) -> None:
-    """Leave the rendezvous without closing it, when the backend can (ours can)."""
-    if not isinstance(handler, LeavableRendezvous):
-        return  # torch's backends: peers evict this node after the keep-alive window
-    try:
-        handler.leave()
-    except (RendezvousError, OSError) as exc:
-        log.warning("could not leave the rendezvous gracefully: %s", exc)
-
-
-def _after_signal(
-    config: ElasticConfig,
-    slurm: SlurmEnv,
-    client: SlurmControl | None,
-    handler: RendezvousHandler | None,
-    stop: _Stop,
-) -> ExitCode:
-    # torch's agent has already forwarded the signal and waited up to
-    # shutdown_timeout_s for the workers (their checkpoint flush), then killed them.
-    stop.stopping = True  # from here on, signals are only recorded (no second exception)
-    _leave(handler)
-    if not stop.noticed:
-        events.emit(events.AgentTerminated(signals=list(stop.signals)))
-        return ExitCode.TERMINATED
-    if config.requeue == "never":
-        return ExitCode.PREEMPTED
-    outcome = _requeue_own(config, slurm, client)
-    if outcome is True:
-        return ExitCode.PREEMPTED_REQUEUED
-    if outcome is not False:
-        _wait_for_slurm(stop, slurm, outcome)
-    return ExitCode.PREEMPTED
-
-
-#: Signals with which Slurm ends a task (preemption, time limit, scancel, requeue).
-_ENDING = frozenset({"SIGTERM", "SIGHUP", "SIGQUIT"})
-
-
-def _wait_for_slurm(stop: _Stop, slurm: SlurmEnv, error: SlurmError) -> None:
-    """The task could not requeue itself: stay until Slurm ends it, then exit.
-
-    Exiting now would end the task as finished: during a preemption's GraceTime, Slurm
-    then has nothing left to requeue (PreemptMode=REQUEUE only requeues a task it stops
-    itself). Staying lets Slurm's own SIGTERM, at the end of the grace time or at the time
-    limit, end the task as Slurm decides: requeued on a preemption. The workers are
-    stopped and the rendezvous left already; a SIGTERM that came with the notice (e.g.
-    GraceTime=0) ends the wait at once. Slurm's SIGKILL after KillWait is the backstop.
-    """
-    log.error(
-        "cannot requeue %s myself (%s); waiting for Slurm to end this task: a preemption "
-        "requeues it (PreemptMode=REQUEUE), a time limit or scancel ends it. To requeue on "
-        "every notice, make scontrol reachable in the job (e.g. bind Slurm's commands "
-        "into the container and put them on PATH in the job's setup)",
-        slurm.own_job_ref,
-        error,
-    )
-    while not _ENDING.intersection(stop.signals):
-        time.sleep(0.2)  # the signal handler records Slurm's signal in stop.signals
-    log.info("Slurm ended the task (%s)", ", ".join(stop.signals))
-
-
-def _client(client: SlurmControl | None) -> SlurmControl:
-    return client if client is not None else default_control()
-
-
-def _requeue_own(
-    config: ElasticConfig, slurm: SlurmEnv, client: SlurmControl | None
-) -> bool | SlurmError:
-    """Requeue this node's own job or array task.
-
-    Returns:
-        True: requeued. False: not to be requeued (not in Slurm, ``max_requeues``
-        reached). The :class:`SlurmError` of a requeue that failed (no ``scontrol`` on
-        PATH, Slurm refused): only Slurm's own requeue can bring the task back.
-    """
-    ref = slurm.own_job_ref
-    if ref is None:
-        log.info("not in a Slurm job: nothing to requeue")
-        return False
-    if slurm.restart_count >= config.max_requeues:
-        log.warning(
-            "not requeueing %s: requeued %d times already (max_requeues=%d)",
-            ref,
-            slurm.restart_count,
-            config.max_requeues,
-        )
-        return False
-    try:
-        _client(client).requeue(ref)
-    except SlurmError as exc:
-        # Slurm may be requeueing the job itself (PreemptMode=REQUEUE) at the same time;
-        # the caller says what follows.
-        return exc
-    log.info("requeued %s", ref)
-    events.emit(events.AgentRequeued(job=ref, requeue_count=slurm.restart_count + 1))
-    return True
-
-
-def _cancel_pending_tasks(slurm: SlurmEnv, client: SlurmControl | None) -> None:
-    """After success, nothing of the array may stay queued (requeued or never started)."""
-    if not slurm.is_array_task or slurm.array_job_id is None:
-        return
-    try:
-        _client(client).cancel(slurm.array_job_id, state="PENDING")
-    except SlurmError as exc:
-        log.warning("could not cancel the pending tasks of %s: %s", slurm.array_job_id, exc)

@@ -131,8 +131,7 @@ def _cmd_agent(ns: argparse.Namespace) -> int:
 
     _startup_seam.pause("agent_start")  # tests only: a notice before any handler exists
     hold_early_notices()
-    from slurm_elastic.agent import run_agent
-    from slurm_elastic.agent.launch import rendezvous_parameters
+    from slurm_elastic.agent import rendezvous_parameters, run_agent
 
     config = _load(ns)
     redirects = _check_std("--redirects", ns.redirects)
