@@ -45,7 +45,14 @@ from torch import nn
 from slurm_elastic.checkpoint import exchange
 from slurm_elastic.errors import SlurmElasticError, StateExchangeError
 
-__all__ = ["STATE_KEY", "FSDPConfig", "ShardedModel", "ShardsLostError", "mesh_shape"]
+__all__ = [
+    "STATE_KEY",
+    "FSDPConfig",
+    "ShardedModel",
+    "ShardsLostError",
+    "mesh_shape",
+    "sharded_parts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -379,3 +386,35 @@ class ShardedModel:
                         f"{value.dtype} {list(value.shape)}, the parameter is {dtype} "
                         f"{list(shape)}",
                     )
+
+
+def sharded_parts(
+    config: FSDPConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: Mapping[str, Any] | None,
+    commit_every: int,
+    async_commit: bool,
+) -> tuple[ShardedModel, nn.Module, None, dict[str, Any]]:
+    """The session's parts with FSDP: the sharded model's full state is one registered
+    object; the session's state holds an empty module and no optimizer (both live in the
+    :class:`ShardedModel`).
+
+    Returns:
+        The sharded model, and the model, optimizer and ``stateful`` for the session's
+        :class:`~slurm_elastic.live.state.ElasticState`.
+
+    Raises:
+        ValueError: ``commit_every`` or ``async_commit`` set, or ``stateful`` already
+            holds :data:`STATE_KEY`.
+    """
+    if commit_every or async_commit:
+        raise ValueError(
+            f"commit_every={commit_every}, async_commit={async_commit}: with fsdp=... the "
+            "state is gathered only at changes and checkpoints; use commit_every=0, "
+            "async_commit=False"
+        )
+    if STATE_KEY in (stateful or {}):
+        raise ValueError(f"stateful[{STATE_KEY!r}] is reserved with fsdp=...: rename it")
+    sharded = ShardedModel(config, model, optimizer)
+    return sharded, nn.Module(), None, {**(stateful or {}), STATE_KEY: sharded}

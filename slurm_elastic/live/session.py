@@ -30,21 +30,10 @@ so every sample is used exactly once per epoch (:class:`~slurm_elastic.checkpoin
 ElasticSampler` semantics, fixed global batch). :class:`~slurm_elastic.live.loop.
 ElasticLoop` is this session driven by a step function.
 
-**At every step boundary** (the end of a ``with session.step():`` block) the ranks agree
-with one ``all_reduce`` (MAX over five integers): does any rank's node leave, does any
-rank stay, which new round (if any) every staying rank has received *and* found ready
-(all its ranks announced in the round's store), and has a leave waited too long. Then,
-the same decision on every rank:
-
-* nothing pending: commit (every ``commit_every`` steps), maybe checkpoint, go on;
-* every staying rank holds the same ready round: **switch** (graceful join, leave, spare
-  promotion): leaving ranks return, the others commit, tear the group down in the safe
-  order, init the new group on the round's store, take the newest commit from a
-  survivor by broadcast (newcomers: no disk read), and wrap the model in a new DDP;
-* every rank leaves (the whole job is preempted): save a checkpoint together, return;
-* restart path (``$SLURM_ELASTIC_IN_PLACE=0``, or no agent control channel): a notice
-  makes all ranks save together, the leaving ranks return, the others wait for the
-  agent to restart them.
+**At every step boundary** (the end of a ``with session.step():`` block) the ranks vote
+with one collective and act alike on the outcome: go on (commit, maybe checkpoint),
+switch to a new round in place, leave, or save together for the restart path
+(:mod:`~slurm_elastic.live.boundary`).
 
 **A failed collective** inside the block or at the boundary (a peer was SIGKILLed or its
 node is gone) makes the survivors roll back to their last commit (every registered
@@ -61,28 +50,21 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from slurm_elastic import events, notice
-from slurm_elastic.checkpoint import (
-    CheckpointManager,
-    ElasticSampler,
-    loss_scale,
-    restore_training_state,
-    training_state,
-)
-from slurm_elastic.checkpoint.sampler import rank_share
+from slurm_elastic.checkpoint import CheckpointManager, loss_scale
 from slurm_elastic.live import control
-from slurm_elastic.live.fsdp import STATE_KEY, FSDPConfig, ShardedModel
+from slurm_elastic.live.boundary import Departure, vote
+from slurm_elastic.live.checkpointing import resume_latest, to_bundle
+from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel, sharded_parts
+from slurm_elastic.live.position import DataPosition, StepInfo
 from slurm_elastic.live.state import ElasticState
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
 
@@ -90,36 +72,8 @@ __all__ = ["ElasticSession", "StepInfo"]
 
 log = logging.getLogger(__name__)
 
-_BIG = 1 << 62
 # Rank 0 reports progress (a train.progress event) every this many steps.
 _PROGRESS_EVERY = 10
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One optimizer step as seen by one rank (what ``with session.step()`` yields).
-
-    Attributes:
-        indices: this rank's dataset indices of the step (possibly empty at an epoch
-            tail); a loader over :meth:`ElasticSession.batches` yields the same ones.
-        global_size: samples in the step's global batch.
-        loss_scale: multiply a *summed* loss by this so DDP's averaged gradient is the
-            mean over the global batch.
-        step: steps done before this one.
-        epoch: the epoch.
-        rank: this rank in the current world.
-        world_size: ranks in the current world.
-        round: the rendezvous round of the current world.
-    """
-
-    indices: list[int]
-    global_size: int
-    loss_scale: float
-    step: int
-    epoch: int
-    rank: int
-    world_size: int
-    round: int
 
 
 class ElasticSession:
@@ -203,40 +157,18 @@ class ElasticSession:
             raise ValueError(f"commit_every={commit_every} must be >= 0 (0: no periodic copy)")
         if stall_abort_s is not None and not stall_abort_s > 0:
             raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
-        #: FSDP2/HSDP: the sharded model and its full state across worlds (else None)
-        self.sharded: ShardedModel | None = None
-        if fsdp is not None:
-            self.sharded, model, optimizer, stateful = _sharded_parts(
-                fsdp, model, optimizer, stateful, commit_every, async_commit
-            )
-        self.state = ElasticState(
-            model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, offset=0
+        self._register_state(
+            model, optimizer, scheduler, stateful, fsdp, commit_every, async_commit
         )
-        # Whether an optimizer stepped inside the current ``with step():`` block: without
-        # periodic commits, a failure after that counts the step as done (see _failed).
-        self._stepped = False
-        for opt in (optimizer, self.sharded and self.sharded.optimizer, *(stateful or {}).values()):
-            if isinstance(opt, torch.optim.Optimizer):
-                opt.register_step_post_hook(self._on_optimizer_step)
-        self.sampler = ElasticSampler(
-            dataset_size,
-            global_batch_size,
-            rank=0,
-            world_size=1,
-            seed=seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
+        #: the data position's meaning: each epoch's order, each rank's share of a step
+        self.position = DataPosition(
+            dataset_size, global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last
         )
+        self.sampler = self.position.sampler
         self.checkpoint = checkpoint
         self.save_every = save_every
         self.commit_every = commit_every
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if self.backend == "nccl":
-            # On a peer failure NCCL's watchdog aborts the communicator and the collective
-            # raises, without killing the process (1, torch's default, kills it): the
-            # survivors can then re-form. Unverified on hardware here: run
-            # bench/gpu_reform_check.py on a GPU machine.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        self.backend = _process_group_backend(backend)
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.timeout = timedelta(seconds=timeout_s)
         self.reform_timeout_s = reform_timeout_s
@@ -248,11 +180,7 @@ class ElasticSession:
         self.resume_extra: dict[str, Any] = {}
         #: the world size the checkpoint resumed from was saved at (None: no checkpoint)
         self.resume_world_size: int | None = None
-        self.in_place = (
-            control.in_place_enabled()
-            and bool(os.environ.get(control.CONTROL_DIR_ENV))
-            and control.Assignment.from_environ() is not None
-        )
+        self.in_place = _in_place_available()
         #: the process group and its re-formation (:mod:`~slurm_elastic.live.world`)
         self.world = LiveWorld(
             self.state,
@@ -269,18 +197,40 @@ class ElasticSession:
         self.interrupted = False
         #: this node stopped: its state lives on in the survivors or in the checkpoint
         self.left = False
-        self._order: tuple[int, list[int]] | None = None
-        self._leave_seen_at: float | None = None
-        self._not_in_round = False
-        # In place, the agent that started this worker; if it dies (SIGKILL does not take
-        # the children along), this worker leaves instead of training on as an orphan.
-        self._agent_pid = os.getppid() if self.in_place else None
-        self._orphaned = False
+        #: whether this rank leaves, and how long a leave has waited
+        self.departure = Departure(self.in_place, leave_wait_s)
         self._saved_step = -1
         self._total_steps: int | None = None
         self._started = False
         self._announced = False
         self.resumed_from: str | None = None
+
+    def _register_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        stateful: Mapping[str, Any] | None,
+        fsdp: FSDPConfig | None,
+        commit_every: int,
+        async_commit: bool,
+    ) -> None:
+        """The state the session moves (sharded with FSDP), and a watch on its optimizers."""
+        #: FSDP2/HSDP: the sharded model and its full state across worlds (else None)
+        self.sharded: ShardedModel | None = None
+        if fsdp is not None:
+            self.sharded, model, optimizer, stateful = sharded_parts(
+                fsdp, model, optimizer, stateful, commit_every, async_commit
+            )
+        self.state = ElasticState(
+            model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, offset=0
+        )
+        # Whether an optimizer stepped inside the current ``with step():`` block: without
+        # periodic commits, a failure after that counts the step as done (see _failed).
+        self._stepped = False
+        for opt in (optimizer, self.sharded and self.sharded.optimizer, *(stateful or {}).values()):
+            if isinstance(opt, torch.optim.Optimizer):
+                opt.register_step_post_hook(self._on_optimizer_step)
 
     # -- public view ---------------------------------------------------------------------
 
@@ -346,22 +296,12 @@ class ElasticSession:
         )
 
     def _resume_from_checkpoint(self) -> None:
-        if self.checkpoint is None:
+        resumed = None if self.checkpoint is None else resume_latest(self.checkpoint, self.state)
+        if resumed is None:
             return
-        loaded = self.checkpoint.load_latest()
-        if loaded is None:
-            return
-        info = restore_training_state(
-            loaded.state,
-            self.state.model,
-            self.state.optimizer,
-            self.state.scheduler,
-            source=loaded.path,
-            stateful=self.state.stateful or None,
-        )
-        self.state.counters.update(step=info.step, epoch=info.epoch, offset=info.sample_offset)
+        path, info = resumed
         self._saved_step = info.step
-        self.resumed_from = str(loaded.path)
+        self.resumed_from = str(path)
         self.resume_extra = dict(info.extra)
         self.resume_world_size = info.saved_world_size
 
@@ -408,28 +348,13 @@ class ElasticSession:
         the position and the world are the ones of this call.
         """
         self.start()
-        epoch, start, world, rank = self.epoch, self.sample_offset, self.world_size, self.rank
-        order = self._global_order(epoch)
-        length, size = self.sampler.epoch_length, self.sampler.global_batch_size
-        while start < length:
-            stop = min(start + size, length)
-            lo, hi = rank_share(start, stop, rank, world)
-            yield order[lo:hi]
-            start = stop
-
-    def _global_order(self, epoch: int) -> list[int]:
-        if self._order is None or self._order[0] != epoch:
-            self.sampler.set_epoch(epoch, 0)
-            self._order = (epoch, self.sampler.global_order(epoch))
-        return self._order[1]
+        yield from self.position.rest_of_epoch(
+            self.epoch, self.sample_offset, self.rank, self.world_size
+        )
 
     def next_indices(self) -> tuple[list[int], int, int]:
         """This rank's indices of the next step, and the step's global ``(start, stop)``."""
-        order = self._global_order(self.epoch)
-        start = self.sample_offset
-        stop = min(start + self.sampler.global_batch_size, self.sampler.epoch_length)
-        lo, hi = rank_share(start, stop, self.rank, self.world_size)
-        return order[lo:hi], start, stop
+        return self.position.step(self.epoch, self.sample_offset, self.rank, self.world_size)
 
     @contextmanager
     def step(self, on_epoch_end: Callable[[int], Any] | None = None) -> Iterator[StepInfo]:
@@ -486,7 +411,7 @@ class ElasticSession:
         # Outside the except block: its traceback would keep the broken group alive.
         if failure is not None:
             self.interrupted = True
-            if self._leaving_here():
+            if self.departure.leaving_here():
                 events.emit(events.LiveLeft(step=self.step_count, after="failure"))
                 self._mark_left()
                 return
@@ -546,57 +471,45 @@ class ElasticSession:
 
     # -- the agreement ------------------------------------------------------------------------
 
-    def _leaving_here(self) -> bool:
-        if self._agent_pid is not None and not self._orphaned and os.getppid() != self._agent_pid:
-            log.warning("agent %d is gone: leaving at the switch", self._agent_pid)
-            self._orphaned = True
-        return self._orphaned or self._not_in_round or notice.preemption_requested()
-
     def _boundary(self) -> str | None:
         """The step boundary: ``None`` (go on), ``"switched"`` or ``"left"``."""
-        leaving = self._leaving_here()
+        leaving = self.departure.leaving_here()
         if self.in_place:
             ready = 0 if leaving else self.world.ready_round()
-            give_up = (
-                self._leave_seen_at is not None
-                and time.monotonic() - self._leave_seen_at > self.leave_wait_s
-            )
+            give_up = self.departure.waited_too_long()
         else:
             ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
-        flags = torch.tensor(
-            [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
-            dtype=torch.int64,
-            device=self.world.device(),
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
-        ready_min = -neg_min
-        if any_leave and self._leave_seen_at is None:
-            self._leave_seen_at = time.monotonic()
-        if ready_max > 0 and not leaving and self.world.pending_round() != ready_max - 1:
+        agreed = vote(leaving, ready, give_up, self.world.device())
+        if agreed.any_leave:
+            self.departure.saw_leave()
+        if (
+            agreed.ready_max > 0
+            and not leaving
+            and self.world.pending_round() != agreed.ready_max - 1
+        ):
             # A rank verified that every rank of round ready_max - 1 announced itself in
             # its store, and this one holds no assignment for it: its node has no place
             # in that round (the new round filled max_nodes and its agent waits as a
             # spare). Leave at the next boundary like a node with notice, so the others
             # switch without a rollback; the agent starts new workers if promoted. (No
             # early return: the rest of this boundary, a save included, is collective.)
-            log.info("not a member of round %d: leaving at the switch", ready_max - 1)
-            self._not_in_round = True
+            log.info("not a member of round %d: leaving at the switch", agreed.ready_max - 1)
+            self.departure.not_in_round = True
             self.world.unregister(int(os.environ.get("LOCAL_RANK", "0")))
-        if any_leave and not any_stay:
+        if agreed.everyone_leaves:
             self.save(blocking=True)  # the whole job stops: nothing finished is lost
             events.emit(events.LiveLeft(step=self.step_count, after="everyone_leaves"))
             return "left"
-        if ready_max > 0 and ready_min == ready_max:
+        if agreed.switch:
             if self.sharded is not None:  # every rank of the old world, leavers too
                 self.sharded.gather()
             if leaving:
                 events.emit(events.LiveLeft(step=self.step_count, after="switch"))
                 return "left"
             self.world.switch(self.step_count)
-            self._leave_seen_at = None
+            self.departure.reset()
             return "switched"
-        if gave_up:
+        if agreed.gave_up:
             self.save(blocking=True)  # together, now: nothing finished is lost
             if leaving:
                 events.emit(events.LiveLeft(step=self.step_count, after="save"))
@@ -620,7 +533,7 @@ class ElasticSession:
 
     def _recover(self, reason: str) -> None:
         self.world.recover(reason, keep_live=not self.commit_every)
-        self._leave_seen_at = None
+        self.departure.reset()
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -634,38 +547,27 @@ class ElasticSession:
             return
         if self.sharded is not None:
             self.sharded.gather()  # collective: the full state goes into the bundle
-        bundle = training_state(
-            self.state.model,
-            self.state.optimizer,
-            self.state.scheduler,
-            step=self.step_count,
-            epoch=self.epoch,
-            sample_offset=self.sample_offset,
-            global_batch_size=self.sampler.global_batch_size,
-            extra=self.extra or None,
-            stateful=self.state.stateful or None,
-        )
+        bundle = to_bundle(self.state, self.sampler.global_batch_size, self.extra or None)
         self.checkpoint.save(bundle, self.step_count, blocking=blocking)
         self._saved_step = self.step_count
 
 
-def _sharded_parts(
-    config: FSDPConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    stateful: Mapping[str, Any] | None,
-    commit_every: int,
-    async_commit: bool,
-) -> tuple[ShardedModel, nn.Module, None, dict[str, Any]]:
-    """FSDP: the sharded model's full state is one registered object; the state itself
-    holds an empty module and no optimizer (both live in the :class:`ShardedModel`)."""
-    if commit_every or async_commit:
-        raise ValueError(
-            f"commit_every={commit_every}, async_commit={async_commit}: with fsdp=... the "
-            "state is gathered only at changes and checkpoints; use commit_every=0, "
-            "async_commit=False"
-        )
-    if STATE_KEY in (stateful or {}):
-        raise ValueError(f"stateful[{STATE_KEY!r}] is reserved with fsdp=...: rename it")
-    sharded = ShardedModel(config, model, optimizer)
-    return sharded, nn.Module(), None, {**(stateful or {}), STATE_KEY: sharded}
+def _in_place_available() -> bool:
+    """In place is on, and this worker's agent gave it a control channel and a round."""
+    return (
+        control.in_place_enabled()
+        and bool(os.environ.get(control.CONTROL_DIR_ENV))
+        and control.Assignment.from_environ() is not None
+    )
+
+
+def _process_group_backend(backend: str | None) -> str:
+    """The backend asked for, else ``nccl`` with CUDA and ``gloo`` without."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        # On a peer failure NCCL's watchdog aborts the communicator and the collective
+        # raises, without killing the process (1, torch's default, kills it): the
+        # survivors can then re-form. Unverified on hardware here: run
+        # bench/gpu_reform_check.py on a GPU machine.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    return backend

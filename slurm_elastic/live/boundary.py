@@ -1,0 +1,135 @@
+"""The step-boundary vote: how the ranks agree, at the end of every step, on what next.
+
+**At every step boundary** (the end of a ``with session.step():`` block) the ranks agree
+with one ``all_reduce`` (MAX over five integers): does any rank's node leave, does any
+rank stay, which new round (if any) every staying rank has received *and* found ready
+(all its ranks announced in the round's store), and has a leave waited too long. Then,
+the same decision on every rank:
+
+* nothing pending: commit (every ``commit_every`` steps), maybe checkpoint, go on;
+* every staying rank holds the same ready round: **switch** (graceful join, leave, spare
+  promotion): leaving ranks return, the others commit, tear the group down in the safe
+  order, init the new group on the round's store, take the newest commit from a
+  survivor by broadcast (newcomers: no disk read), and wrap the model in a new DDP;
+* every rank leaves (the whole job is preempted): save a checkpoint together, return;
+* restart path (``$SLURM_ELASTIC_IN_PLACE=0``, or no agent control channel): a notice
+  makes all ranks save together, the leaving ranks return, the others wait for the
+  agent to restart them.
+
+:class:`Departure` is this rank's side of the vote (does it leave, has a leave waited
+too long), :func:`vote` the collective and :class:`Agreement` what every rank learns
+from it; acting on it is :class:`~slurm_elastic.live.session.ElasticSession`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slurm_elastic import notice
+
+__all__ = ["Agreement", "Departure", "vote"]
+
+log = logging.getLogger(__name__)
+
+_BIG = 1 << 62
+
+
+class Departure:
+    """Whether this rank leaves at the next boundary, and how long a leave has waited.
+
+    A rank leaves when its node has notice, when its node has no place in the newest
+    round (:attr:`not_in_round`: a spare), or, in place, when the agent that started it is
+    gone (SIGKILL does not take the children along): then it leaves instead of training
+    on as an orphan.
+    """
+
+    def __init__(self, in_place: bool, leave_wait_s: float) -> None:
+        self.leave_wait_s = leave_wait_s
+        #: when this rank first saw some rank leave (None: no leave pending)
+        self.seen_at: float | None = None
+        #: this node has no place in the newest round
+        self.not_in_round = False
+        self._agent_pid = os.getppid() if in_place else None
+        self._orphaned = False
+
+    def leaving_here(self) -> bool:
+        """Whether this rank's node leaves."""
+        if self._agent_pid is not None and not self._orphaned and os.getppid() != self._agent_pid:
+            log.warning("agent %d is gone: leaving at the switch", self._agent_pid)
+            self._orphaned = True
+        return self._orphaned or self.not_in_round or notice.preemption_requested()
+
+    def waited_too_long(self) -> bool:
+        """A leave was seen more than ``leave_wait_s`` ago and no switch came."""
+        return self.seen_at is not None and time.monotonic() - self.seen_at > self.leave_wait_s
+
+    def saw_leave(self) -> None:
+        """Some rank leaves: start the wait (once)."""
+        if self.seen_at is None:
+            self.seen_at = time.monotonic()
+
+    def reset(self) -> None:
+        """The world changed: no leave is pending any more."""
+        self.seen_at = None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of one boundary vote, the same on every rank.
+
+    Attributes:
+        any_leave: some rank's node leaves.
+        any_stay: some rank stays.
+        ready_max: the newest round a staying rank holds and found ready, plus one
+            (0: none).
+        ready_min: the oldest such round over the staying ranks, plus one.
+        gave_up: some rank's leave has waited longer than ``leave_wait_s``.
+    """
+
+    any_leave: bool
+    any_stay: bool
+    ready_max: int
+    ready_min: int
+    gave_up: bool
+
+    @property
+    def everyone_leaves(self) -> bool:
+        """Every rank leaves: the whole job stops."""
+        return self.any_leave and not self.any_stay
+
+    @property
+    def switch(self) -> bool:
+        """Every staying rank holds the same ready round: switch to it."""
+        return self.ready_max > 0 and self.ready_min == self.ready_max
+
+
+def vote(leaving: bool, ready: int, give_up: bool, device: torch.device) -> Agreement:
+    """Collective: this rank's vote, and what the ranks agree on.
+
+    Args:
+        leaving: this rank's node leaves.
+        ready: the round this rank holds and found ready, plus one (0: none, and always
+            0 for a leaving rank).
+        give_up: this rank has seen a leave wait longer than ``leave_wait_s``.
+        device: where the collective's tensor lives.
+    """
+    flags = torch.tensor(
+        [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
+        dtype=torch.int64,
+        device=device,
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
+    return Agreement(
+        any_leave=bool(any_leave),
+        any_stay=bool(any_stay),
+        ready_max=ready_max,
+        ready_min=-neg_min,
+        gave_up=bool(gave_up),
+    )
