@@ -1,0 +1,102 @@
+"""The per-user run index: where each run keeps its state, by run id.
+
+Every agent records its run at start (:func:`record_run`): the run id (the Slurm job id)
+maps to its state, events, checkpoint and log directories, so ``slurm-elastic status
+JOB`` finds a run after Slurm forgot the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm_elastic.errors import UnsafeDirectoryError
+from slurm_elastic.privatefs import ensure_private_dir
+
+__all__ = ["RunIndexEntry", "find_run", "record_run", "run_index_dir"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunIndexEntry:
+    """Where one run keeps its state (what :func:`record_run` wrote)."""
+
+    run_id: str
+    state_dir: str
+    events_dir: str
+    checkpoint_dir: str | None = None
+    log_dir: str | None = None
+    time: float = 0.0
+
+
+def run_index_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The per-user run index: ``$XDG_STATE_HOME/slurm_elastic/runs`` (else
+    ``~/.local/state/slurm_elastic/runs``)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(base) / "slurm_elastic" / "runs"
+
+
+def record_run(
+    run_id: str,
+    *,
+    state_dir: str | os.PathLike[str],
+    events_dir: str | os.PathLike[str],
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> None:
+    """Record where run ``run_id`` keeps its state in the per-user run index.
+
+    Written by every agent at start (atomically, 0600); never raises (best effort).
+    """
+    entry = RunIndexEntry(
+        run_id=run_id,
+        state_dir=os.path.abspath(state_dir),
+        events_dir=os.path.abspath(events_dir),
+        checkpoint_dir=None if checkpoint_dir is None else os.path.abspath(checkpoint_dir),
+        log_dir=None if log_dir is None else os.path.abspath(log_dir),
+        time=time.time(),
+    )
+    try:
+        directory = run_index_dir()
+        ensure_private_dir(directory, root=directory.parent)
+        tmp = directory / f".{run_id}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dataclasses.asdict(entry), fh)
+        os.replace(tmp, directory / f"{run_id}.json")
+    except (OSError, ValueError, UnsafeDirectoryError) as exc:
+        log.debug("cannot record run %s in the run index: %s", run_id, exc)
+
+
+def find_run(run_id: str) -> RunIndexEntry | None:
+    """The run index entry of ``run_id``; ``None`` when there is none or it is not ours.
+
+    An entry not owned by this user, or a link, is ignored (it could point anywhere).
+    """
+    path = run_index_dir() / f"{run_id}.json"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, encoding="utf-8") as fh:
+        info = os.fstat(fh.fileno())
+        if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
+            log.warning("ignoring run index entry %s: not a file of this user", path)
+            return None
+        try:
+            data = json.load(fh)
+            return RunIndexEntry(**{k: data[k] for k in data if k in RunIndexEntry.__annotations__})
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring unreadable run index entry %s: %s", path, exc)
+            return None
