@@ -154,7 +154,6 @@ class RunSummary:
     def to_json(self) -> dict[str, Any]:
         """The ``status --json`` document (schema :data:`STATUS_SCHEMA`)."""
         ckpt = self.checkpoint
-        verdict = self.window_verdict()
         return {
             "schema": STATUS_SCHEMA,
             "run_id": self.run_id,
@@ -184,59 +183,68 @@ class RunSummary:
                 "time": ckpt.time,
                 "age_s": self.now - ckpt.time,
             },
-            "counts": {
-                "restarts": sum(n.restarts for n in self.nodes.values()),
-                "preemptions": sum(n.preemptions for n in self.nodes.values()),
-                "requeues": sum(1 for _, _, what in self.marks if what == "requeue"),
-                "checkpoints": len(self.checkpoints),
-                "events": self.event_count,
-                "unknown_events": self.unknown_events,
-            },
-            "nodes": [
-                {
-                    "node": n.key,
-                    "host": n.name,
-                    "job": n.job,
-                    "state": n.state,
-                    "rank": n.rank,
-                    "restarts": n.restarts,
-                    "requeues": n.requeues,
-                    "last_heartbeat": n.last_heartbeat,
-                    "last_heartbeat_age_s": None
-                    if n.last_heartbeat is None
-                    else self.now - n.last_heartbeat,
-                }
-                for n in self.nodes.values()
-            ],
-            "preemption_window": None
-            if verdict is None
-            else {
-                "save_s": verdict.save_s,
-                "fits": verdict.fits,
-                "windows": [
-                    {"case": c.name, "seconds": c.seconds, "made_of": c.made_of}
-                    for c in verdict.cases
-                ],
-                "unknown": list(verdict.unknown),
-                "problems": verdict.problems(),
-            },
-            "slurm": None
-            if self.slurm_job is None
-            else {
-                "job": self.slurm_job,
-                "error": self.slurm_error,
-                "tasks": [
-                    {
-                        "ref": t.ref,
-                        "state": t.state,
-                        "nodes": t.nodes,
-                        "restarts": t.restarts,
-                        "reason": t.reason,
-                    }
-                    for t in self.slurm_tasks
-                ],
-            },
+            "counts": self._counts_json(),
+            "nodes": [self._node_json(n) for n in self.nodes.values()],
+            "preemption_window": _window_json(self.window_verdict()),
+            "slurm": self._slurm_json(),
         }
+
+    def _counts_json(self) -> dict[str, int]:
+        return {
+            "restarts": sum(n.restarts for n in self.nodes.values()),
+            "preemptions": sum(n.preemptions for n in self.nodes.values()),
+            "requeues": sum(1 for _, _, what in self.marks if what == "requeue"),
+            "checkpoints": len(self.checkpoints),
+            "events": self.event_count,
+            "unknown_events": self.unknown_events,
+        }
+
+    def _node_json(self, n: NodeSummary) -> dict[str, Any]:
+        return {
+            "node": n.key,
+            "host": n.name,
+            "job": n.job,
+            "state": n.state,
+            "rank": n.rank,
+            "restarts": n.restarts,
+            "requeues": n.requeues,
+            "last_heartbeat": n.last_heartbeat,
+            "last_heartbeat_age_s": None
+            if n.last_heartbeat is None
+            else self.now - n.last_heartbeat,
+        }
+
+    def _slurm_json(self) -> dict[str, Any] | None:
+        if self.slurm_job is None:
+            return None
+        return {
+            "job": self.slurm_job,
+            "error": self.slurm_error,
+            "tasks": [
+                {
+                    "ref": t.ref,
+                    "state": t.state,
+                    "nodes": t.nodes,
+                    "restarts": t.restarts,
+                    "reason": t.reason,
+                }
+                for t in self.slurm_tasks
+            ],
+        }
+
+
+def _window_json(verdict: WindowVerdict | None) -> dict[str, Any] | None:
+    if verdict is None:
+        return None
+    return {
+        "save_s": verdict.save_s,
+        "fits": verdict.fits,
+        "windows": [
+            {"case": c.name, "seconds": c.seconds, "made_of": c.made_of} for c in verdict.cases
+        ],
+        "unknown": list(verdict.unknown),
+        "problems": verdict.problems(),
+    }
 
 
 def _natural(key: str) -> list[Any]:
@@ -308,39 +316,87 @@ def summarize_run(
     out.slurm_job, out.slurm_tasks, out.slurm_error = slurm_job, list(slurm_tasks), slurm_error
     if evs:
         out.started = evs[0].time
+    fold = _Fold(out, _shared_hosts(evs))
+    for e in evs:
+        fold.add(e)
+    for name, mtime in (heartbeats or {}).items():
+        beating = fold.rdzv_name.get(name)
+        if beating is not None and beating.key in out.nodes:
+            beating.last_heartbeat = max(mtime, beating.last_heartbeat or 0.0)
+    for node in out.nodes.values():
+        if node.last_heartbeat is None:
+            node.last_heartbeat = node.last_seen
+    out.nodes = dict(sorted(out.nodes.items(), key=lambda kv: _natural(kv[0])))
+    out.steps_per_s, out.samples_per_s, out.throughput_series = _throughput(fold.progress, out.now)
+    if not fold.progress and len(out.checkpoints) >= 2:  # no progress reports: use checkpoints
+        a, b = out.checkpoints[-2], out.checkpoints[-1]
+        if b.time > a.time and b.step > a.step:
+            out.steps_per_s = (b.step - a.step) / (b.time - a.time)
+    out.state = _state(out, fold.alive, evs)
+    if out.state not in ("RUNNING", "PENDING", "UNKNOWN") and evs:
+        out.ended = evs[-1].time
+        if out.world_series and out.world_series[-1][1] != 0:
+            out.world_series.append((evs[-1].time, 0))
+    return out
+
+
+def _shared_hosts(evs: Sequence[ev.Event]) -> set[str]:
+    """Hosts where several agents ran with no Slurm job to tell them apart (their nodes
+    are then named ``host:pid``)."""
     starts = [e for e in evs if isinstance(e, ev.AgentStart)]
     hosts: dict[str, set[int]] = {}
     for s in starts:
         if not (s.job and "_" in s.job):
             hosts.setdefault(s.host, set()).add(s.pid)
-    shared = {
+    return {
         h
         for h, pids in hosts.items()
         if len(pids) > 1 and not any(s.job for s in starts if s.host == h)
     }
-    proc_node: dict[tuple[str, int], NodeSummary] = {}
-    rdzv_name: dict[str, NodeSummary] = {}
-    progress: list[ev.TrainProgress] = []
-    alive: set[tuple[str, int]] = set()
-    for e in evs:
+
+
+class _Fold:
+    """Folding a run's events into its :class:`RunSummary`, one event at a time.
+
+    An agent's events are told apart by ``(host, pid)``; the rendezvous names nodes by
+    its own names (evictions, heartbeats), mapped here to the agents' nodes.
+    """
+
+    def __init__(self, out: RunSummary, shared: set[str]) -> None:
+        self.out = out
+        self.shared = shared
+        self.proc_node: dict[tuple[str, int], NodeSummary] = {}
+        self.rdzv_name: dict[str, NodeSummary] = {}
+        self.progress: list[ev.TrainProgress] = []
+        self.alive: set[tuple[str, int]] = set()
+
+    def add(self, e: ev.Event) -> None:
+        """Fold in one event (the next by time)."""
+        out = self.out
         if isinstance(e, ev.UnknownEvent):
             out.unknown_events += 1
-            continue
+            return
         if isinstance(e, ev.AgentStart):
-            key = _node_key(e, shared)
+            key = _node_key(e, self.shared)
             started = out.nodes.setdefault(key, NodeSummary(key=key))
             started.name, started.job, started.state = e.host, e.job, "starting"
             started.requeues = max(started.requeues, e.requeue_count)
-            proc_node[(e.host, e.pid)] = started
+            self.proc_node[(e.host, e.pid)] = started
             out.agents[(e.host, e.pid)] = key
-            alive.add((e.host, e.pid))
-            continue
-        node = proc_node.get((e.host, e.pid))
+            self.alive.add((e.host, e.pid))
+            return
+        node = self.proc_node.get((e.host, e.pid))
         if node is not None:
             node.last_seen = e.time
+        self._membership(e, node)  # the kinds of the two are disjoint: one acts at most
+        self._training(e)
+
+    def _membership(self, e: ev.Event, node: NodeSummary | None) -> None:
+        """The agents' and the rendezvous' events: nodes, worlds, marks."""
+        out = self.out
         if isinstance(e, ev.RendezvousComplete):
             out.round = e.round
-            rdzv_name[e.node] = node if node is not None else NodeSummary(key=e.node)
+            self.rdzv_name[e.node] = node if node is not None else NodeSummary(key=e.node)
             if node is not None:
                 node.rank, node.state = e.rank, "joined"
         elif isinstance(e, (ev.WorkersStarted, ev.AgentReformedInPlace)):
@@ -371,7 +427,7 @@ def summarize_run(
             node.state = "left"
         elif isinstance(e, ev.RendezvousEvicted):
             for name in e.nodes:
-                gone = rdzv_name.get(name)
+                gone = self.rdzv_name.get(name)
                 if gone is not None:
                     gone._close(e.time)
                     gone.state = "evicted"
@@ -386,12 +442,16 @@ def summarize_run(
             node.state = "failed"
         elif isinstance(e, ev.AgentExit) and node is not None:
             node._close(e.time)
-            alive.discard((e.host, e.pid))
+            self.alive.discard((e.host, e.pid))
             if node.state != "requeued" or e.code != "PREEMPTED_REQUEUED":
                 node.state = _EXIT_STATES.get(e.code, f"exited {e.code}".strip())
         elif isinstance(e, ev.AgentWindow):
             out.window = e
-        elif isinstance(e, ev.CheckpointSaved):
+
+    def _training(self, e: ev.Event) -> None:
+        """The training's and the checkpoints' events: step, total, throughput."""
+        out = self.out
+        if isinstance(e, ev.CheckpointSaved):
             out.checkpoint = e
             out.checkpoints.append(e)
             out.marks.append((e.time, "", "checkpoint"))
@@ -400,30 +460,11 @@ def summarize_run(
             out.step = e.step
             out.total_steps = e.total_steps or out.total_steps
         elif isinstance(e, ev.TrainProgress):
-            progress.append(e)
+            self.progress.append(e)
             out.step = e.step
             out.total_steps = e.total_steps or out.total_steps
         elif isinstance(e, ev.TrainDone):
             out.step = e.step if out.step is None else max(out.step, e.step)
-    for name, mtime in (heartbeats or {}).items():
-        beating = rdzv_name.get(name)
-        if beating is not None and beating.key in out.nodes:
-            beating.last_heartbeat = max(mtime, beating.last_heartbeat or 0.0)
-    for node in out.nodes.values():
-        if node.last_heartbeat is None:
-            node.last_heartbeat = node.last_seen
-    out.nodes = dict(sorted(out.nodes.items(), key=lambda kv: _natural(kv[0])))
-    out.steps_per_s, out.samples_per_s, out.throughput_series = _throughput(progress, out.now)
-    if not progress and len(out.checkpoints) >= 2:  # no progress reports: use checkpoints
-        a, b = out.checkpoints[-2], out.checkpoints[-1]
-        if b.time > a.time and b.step > a.step:
-            out.steps_per_s = (b.step - a.step) / (b.time - a.time)
-    out.state = _state(out, alive, evs)
-    if out.state not in ("RUNNING", "PENDING", "UNKNOWN") and evs:
-        out.ended = evs[-1].time
-        if out.world_series and out.world_series[-1][1] != 0:
-            out.world_series.append((evs[-1].time, 0))
-    return out
 
 
 def _state(out: RunSummary, alive: set[tuple[str, int]], evs: list[ev.Event]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from slurm_elastic.cli.goodput import CATEGORIES, Goodput, account
@@ -93,28 +94,42 @@ def draw_timeline(
         _draw(s, output, goodput)
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """The time axis and the scale every panel shares."""
+
+    t0: float  # the run's first event (Unix seconds)
+    end: float  # its last one, or now while it runs
+    most: int  # the largest world, in nodes (the colour scale)
+
+    @property
+    def span_min(self) -> float:
+        return max((self.end - self.t0) / 60.0, 1e-3)
+
+    def m(self, t: float) -> float:
+        """Minutes since the run's first event."""
+        return (t - self.t0) / 60.0
+
+
+_LANE_H = 0.6
+
+
 def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None) -> None:
+    """The figure: one panel per view of the run, sharing the time axis."""
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     if s.started is None:
         raise SlurmElasticError(
             f"run {s.run_id} has no events yet ({s.events_dir}); nothing to draw"
         )
-    t0 = s.started
-    end = s.ended if s.ended is not None else s.now
-    span_min = max((end - t0) / 60.0, 1e-3)
-
-    def m(t: float) -> float:
-        return (t - t0) / 60.0
-
-    nodes = list(s.nodes.values())
-    most = max([n for _, n in s.world_series] + [1])
-    lane_h = 0.6
-    fig_h = 2.4 + 0.45 * max(len(nodes), 1) + 3.2 + (0.9 if goodput is not None else 0.0)
-    ratios = [max(2.0, 0.55 * len(nodes) + 0.8), 1.2, 1.4] + ([0.7] if goodput else [])
+    frame = _Frame(
+        t0=s.started,
+        end=s.ended if s.ended is not None else s.now,
+        most=max([n for _, n in s.world_series] + [1]),
+    )
+    nodes = len(s.nodes)
+    fig_h = 2.4 + 0.45 * max(nodes, 1) + 3.2 + (0.9 if goodput is not None else 0.0)
+    ratios = [max(2.0, 0.55 * nodes + 0.8), 1.2, 1.4] + ([0.7] if goodput else [])
     fig, axes = plt.subplots(
         len(ratios),
         1,
@@ -122,13 +137,28 @@ def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None
         figsize=(11, fig_h),
         gridspec_kw={"height_ratios": ratios},
     )
-    ax_n, ax_w, ax_t = axes[0], axes[1], axes[2]
-    title = printable(f"run {s.run_id}: {s.state}, {span_min:.1f} min")
+    title = printable(f"run {s.run_id}: {s.state}, {frame.span_min:.1f} min")
     if s.step is not None:
         title += f", step {s.step}" + (f"/{s.total_steps}" if s.total_steps else "")
     fig.suptitle(title, fontsize=13, fontweight="bold")
+    _draw_membership(axes[0], s, frame)
+    _draw_world_size(axes[1], s, frame)
+    _draw_throughput(axes[2], s, frame)
+    last = axes[2]
+    if goodput is not None and goodput.start is not None:
+        last = axes[3]
+        _draw_goodput(last, goodput, frame)
+    last.set_xlabel("minutes since the run started")
+    last.set_xlim(-frame.span_min * 0.01, frame.span_min * 1.01)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
-    # -- membership lanes ----------------------------------------------------------------
+
+def _draw_membership(ax_n: Any, s: RunSummary, frame: _Frame) -> None:
+    """Panel 1: a lane per node, a bar while it is in the world, marks for what happened."""
+    m, end, span_min = frame.m, frame.end, frame.span_min
+    nodes = list(s.nodes.values())
     labels = []
     for i, node in enumerate(nodes):
         y = len(nodes) - 1 - i
@@ -142,23 +172,34 @@ def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None
             stop = iv.end if iv.end is not None else end
             ax_n.broken_barh(
                 [(m(iv.start), max(m(stop) - m(iv.start), span_min / 400))],
-                (y - lane_h / 2, lane_h),
-                facecolors=_world_colour(iv.world_nodes, most),
+                (y - _LANE_H / 2, _LANE_H),
+                facecolors=_world_colour(iv.world_nodes, frame.most),
                 edgecolor="white",
                 linewidth=0.5,
             )
-    key_y = {node.key: len(nodes) - 1 - i for i, node in enumerate(nodes)}
+    used = _draw_marks(
+        ax_n, s, frame, {node.key: len(nodes) - 1 - i for i, node in enumerate(nodes)}
+    )
+    ax_n.set_yticks([y for y, _ in labels], [lab for _, lab in labels], fontsize=9)
+    ax_n.set_ylim(-0.8, len(nodes) - 0.2 + 0.35)
+    ax_n.set_title("nodes: in the training world (colour = world size)", loc="left", fontsize=10)
+    ax_n.grid(axis="x", alpha=0.3)
+    _membership_legend(ax_n, s, frame, used)
+
+
+def _draw_marks(ax_n: Any, s: RunSummary, frame: _Frame, key_y: dict[str, int]) -> set[str]:
+    """The marks above the lanes and a line per checkpoint; returns the kinds drawn."""
     used = set()
     for when, key, what in s.marks:
         if what == "checkpoint":
-            ax_n.axvline(m(when), color="#2ca02c", alpha=0.35, linewidth=0.8, zorder=0)
+            ax_n.axvline(frame.m(when), color="#2ca02c", alpha=0.35, linewidth=0.8, zorder=0)
             continue
         if key not in key_y or what not in _MARKS:
             continue
         marker, colour, _ = _MARKS[what]
         ax_n.plot(
-            m(when),
-            key_y[key] + lane_h / 2 + 0.12,
+            frame.m(when),
+            key_y[key] + _LANE_H / 2 + 0.12,
             marker=marker,
             color=colour,
             markersize=9,
@@ -167,12 +208,17 @@ def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None
             zorder=5,
         )
         used.add(what)
-    ax_n.set_yticks([y for y, _ in labels], [lab for _, lab in labels], fontsize=9)
-    ax_n.set_ylim(-0.8, len(nodes) - 0.2 + 0.35)
-    ax_n.set_title("nodes: in the training world (colour = world size)", loc="left", fontsize=10)
-    ax_n.grid(axis="x", alpha=0.3)
+    return used
+
+
+def _membership_legend(ax_n: Any, s: RunSummary, frame: _Frame, used: set[str]) -> None:
+    """The legend of panel 1: the world sizes seen, the marks drawn, the checkpoints."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    nodes = s.nodes.values()
     handles: list[Any] = [
-        Patch(facecolor=_world_colour(n, most), label=f"world of {n} node(s)")
+        Patch(facecolor=_world_colour(n, frame.most), label=f"world of {n} node(s)")
         for n in sorted({iv.world_nodes for node in nodes for iv in node.intervals})
     ]
     handles += [
@@ -196,21 +242,27 @@ def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None
         handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
     )
 
-    # -- world size ----------------------------------------------------------------------
+
+def _draw_world_size(ax_w: Any, s: RunSummary, frame: _Frame) -> None:
+    """Panel 2: the world size in nodes over time."""
+    from matplotlib.ticker import MaxNLocator
+
     if s.world_series:
-        xs = [m(t) for t, _ in s.world_series] + [m(end)]
+        xs = [frame.m(t) for t, _ in s.world_series] + [frame.m(frame.end)]
         ys = [n for _, n in s.world_series] + [s.world_series[-1][1]]
         ax_w.step(xs, ys, where="post", color="#1f77b4", linewidth=2)
         ax_w.fill_between(xs, ys, step="post", alpha=0.15, color="#1f77b4")
     ax_w.set_ylabel("nodes")
-    ax_w.set_ylim(0, most + 0.6)
+    ax_w.set_ylim(0, frame.most + 0.6)
     ax_w.yaxis.set_major_locator(MaxNLocator(integer=True))  # not one tick per node
     ax_w.set_title("world size", loc="left", fontsize=10)
     ax_w.grid(alpha=0.3)
 
-    # -- throughput ----------------------------------------------------------------------
+
+def _draw_throughput(ax_t: Any, s: RunSummary, frame: _Frame) -> None:
+    """Panel 3: steps/s from the training's progress reports."""
     if s.throughput_series:
-        xs = [m(t) for t, _ in s.throughput_series]
+        xs = [frame.m(t) for t, _ in s.throughput_series]
         rates = [v for _, v in s.throughput_series]
         ax_t.plot(xs, rates, color="#ff7f0e", marker=".", linewidth=1.2)
         finite = [r for r in rates if math.isfinite(r)]  # NaN marks a worker restart: a gap
@@ -228,39 +280,38 @@ def _draw(s: RunSummary, output: str | os.PathLike[str], goodput: Goodput | None
     ax_t.set_ylabel("steps/s")
     ax_t.set_title("throughput", loc="left", fontsize=10)
     ax_t.grid(alpha=0.3)
-    last = ax_t
-    if goodput is not None and goodput.start is not None:
-        last = axes[3]
-        for cat in CATEGORIES:
-            bars = [
-                (m(sp.start), m(sp.end) - m(sp.start)) for sp in goodput.spans if sp.category == cat
-            ]
-            if bars:
-                last.broken_barh(bars, (0, 1), facecolors=_GOODPUT_COLOURS[cat])
-        last.set_yticks([])
-        last.set_ylim(0, 1)
-        last.set_title(
-            f"where the time went (status --goodput): useful {goodput.seconds['useful']:.0f} s"
-            f" of {goodput.total_s:.0f} s",
-            loc="left",
-            fontsize=10,
-        )
-        last.legend(
-            handles=[
-                Patch(facecolor=_GOODPUT_COLOURS[c], label=f"{c} {goodput.seconds[c]:.1f} s")
-                for c in CATEGORIES
-                if goodput.seconds[c] > 0
-            ],
-            loc="upper left",
-            bbox_to_anchor=(1.01, 1.3),
-            fontsize=7,
-            frameon=False,
-        )
-    last.set_xlabel("minutes since the run started")
-    last.set_xlim(-span_min * 0.01, span_min * 1.01)
-    fig.tight_layout()
-    fig.savefig(output, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+
+
+def _draw_goodput(ax: Any, goodput: Goodput, frame: _Frame) -> None:
+    """Panel 4: one band coloured by what each stretch of time was spent on."""
+    from matplotlib.patches import Patch
+
+    m = frame.m
+    for cat in CATEGORIES:
+        bars = [
+            (m(sp.start), m(sp.end) - m(sp.start)) for sp in goodput.spans if sp.category == cat
+        ]
+        if bars:
+            ax.broken_barh(bars, (0, 1), facecolors=_GOODPUT_COLOURS[cat])
+    ax.set_yticks([])
+    ax.set_ylim(0, 1)
+    ax.set_title(
+        f"where the time went (status --goodput): useful {goodput.seconds['useful']:.0f} s"
+        f" of {goodput.total_s:.0f} s",
+        loc="left",
+        fontsize=10,
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor=_GOODPUT_COLOURS[c], label=f"{c} {goodput.seconds[c]:.1f} s")
+            for c in CATEGORIES
+            if goodput.seconds[c] > 0
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.3),
+        fontsize=7,
+        frameon=False,
+    )
 
 
 def run_timeline(
