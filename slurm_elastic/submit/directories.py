@@ -13,7 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from slurm_elastic.submit.render import _words, split_values
+from slurm_elastic.submit.render import split_values
+from slurm_elastic.submit.value_checks import shell_words
 
 __all__ = ["ensure_job_directories", "job_directories"]
 
@@ -60,7 +61,7 @@ def job_directories(
     """
     _, template = split_values(values)
     base = Path(cwd) if cwd is not None else Path.cwd()
-    extra = _option_paths(_words("sbatch_args", template.get("sbatch_args") or ()))
+    extra = _option_paths(shell_words("sbatch_args", template.get("sbatch_args") or ()))
     workdir = base
     for kind, option_path in extra:
         if kind == "dir":

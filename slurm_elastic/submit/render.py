@@ -44,7 +44,7 @@ import dataclasses
 import difflib
 import re
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -56,6 +56,14 @@ from slurm_elastic.submit.requeue_option import (
     VersionProbe,
     installed_slurm_version,
     requeue_option,
+)
+from slurm_elastic.submit.sbatch_options import SBATCH_OPTIONS, SbatchOption
+from slurm_elastic.submit.value_checks import (
+    boolean_value,
+    int_value,
+    line_value,
+    shell_words,
+    slurm_time_minutes,
 )
 
 __all__ = [
@@ -152,75 +160,6 @@ CONFIG_KEYS: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class SbatchOption:
-    """One template key that is a Slurm request option (an ``#SBATCH`` line).
-
-    Attributes:
-        key: the template key (``partition``).
-        flag: the sbatch option of the rendered template (``--partition``).
-        boolean: a flag without a value (``--exclusive``), given when the value is true.
-        check: validates the value at render time (raises ``ConfigError`` naming it), so
-            a bad value fails here, not in sbatch.
-    """
-
-    key: str
-    flag: str
-    boolean: bool = False
-    check: Callable[[object], object] | None = None
-
-
-def _cpus(value: object) -> int:
-    return _int("cpus_per_task", value, 1)
-
-
-def slurm_time_minutes(value: object) -> int:
-    """Minutes of a Slurm ``--time`` (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``).
-
-    Seconds round up to the next minute (the template checks a time with it).
-
-    Raises:
-        ConfigError: not a Slurm time.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    text = str(value).strip()
-    try:
-        days = 0
-        if "-" in text:
-            d, text = text.split("-", 1)
-            days = int(d)
-            parts = [int(p) for p in text.split(":")] + [0, 0]
-            hours, minutes, seconds = parts[0], parts[1], parts[2]
-        else:
-            parts = [int(p) for p in text.split(":")]
-            if len(parts) == 1:
-                hours, minutes, seconds = 0, parts[0], 0
-            elif len(parts) == 2:
-                hours, minutes, seconds = 0, parts[0], parts[1]
-            elif len(parts) == 3:
-                hours, minutes, seconds = parts
-            else:
-                raise ValueError(text)
-    except ValueError as exc:
-        raise ConfigError(
-            f"time {value!r}: expected minutes or a Slurm time such as '04:00:00' or '1-12:00'"
-        ) from exc
-    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
-
-
-#: The one mapping of template keys to Slurm options (``#SBATCH`` lines).
-SBATCH_OPTIONS: tuple[SbatchOption, ...] = (
-    SbatchOption("partition", "--partition"),
-    SbatchOption("account", "--account"),
-    SbatchOption("qos", "--qos"),
-    SbatchOption("time", "--time", check=slurm_time_minutes),
-    SbatchOption("constraint", "--constraint"),
-    SbatchOption("mem", "--mem"),
-    SbatchOption("gpus_per_node", "--gpus-per-node"),
-    SbatchOption("cpus_per_task", "--cpus-per-task", check=_cpus),
-    SbatchOption("exclusive", "--exclusive", boolean=True),
-)
 #: The template ``slurm-elastic submit`` and :func:`job_config` use without a ``mode``.
 DEFAULT_MODE = "elastic_array"
 #: How error messages name the values when the caller does not say where they came from.
@@ -288,63 +227,6 @@ def split_values(values: Mapping[str, object]) -> tuple[dict[str, object], dict[
     return config, template
 
 
-def _int(key: str, value: object, minimum: int) -> int:
-    try:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        number = int(str(value).strip()) if isinstance(value, str) else int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"template value {key!r} = {value!r}: expected an integer") from exc
-    if number < minimum:
-        raise ConfigError(f"template value {key!r} = {value!r}: must be >= {minimum}")
-    return number
-
-
-def boolean_value(key: str, value: object) -> bool:
-    """A template flag's value as a bool (``true``/``yes``/``1``...).
-
-    Raises:
-        ConfigError: not a boolean.
-    """
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"template value {key!r} = {value!r}: expected true or false")
-
-
-def _line(key: str, value: object) -> str:
-    if not isinstance(value, str | int | float):  # a mapping or list is a mistake
-        raise ConfigError(
-            f"template value {key!r} = {value!r}: expected a string, not a {type(value).__name__}"
-        )
-    text = str(value)
-    if "\n" in text or "\r" in text:
-        raise ConfigError(
-            f"template value {key!r} = {value!r}: must be a single line "
-            "(a newline would end the #SBATCH directive or the command)"
-        )
-    return text
-
-
-def _words(key: str, value: object) -> list[str]:
-    if isinstance(value, str):
-        try:
-            return shlex.split(value)
-        except ValueError as exc:
-            raise ConfigError(
-                f"template value {key!r} = {value!r}: not valid shell words ({exc})"
-            ) from exc
-    if isinstance(value, Sequence):
-        return [_line(key, v) for v in value]
-    raise ConfigError(
-        f"template value {key!r} = {value!r}: expected a list of strings or one string"
-    )
-
-
 def _nodes(spec: TemplateSpec, config: dict[str, object], template: dict[str, object]) -> None:
     """Make the node counts consistent with the template's mode (in place)."""
     if "nnodes" in config:
@@ -355,11 +237,11 @@ def _nodes(spec: TemplateSpec, config: dict[str, object], template: dict[str, ob
         if (
             given is None
             and len(explicit) == 2
-            and len({_int(k, v, 1) for k, v in explicit.items()}) == 1
+            and len({int_value(k, v, 1) for k, v in explicit.items()}) == 1
         ):
             given = explicit["min_nodes"]  # nnodes: N (or min_nodes = max_nodes) names the count
-        nodes = _int("nodes", given if given is not None else spec.defaults.get("nodes"), 1)
-        if any(_int(k, v, 1) != nodes for k, v in explicit.items()):
+        nodes = int_value("nodes", given if given is not None else spec.defaults.get("nodes"), 1)
+        if any(int_value(k, v, 1) != nodes for k, v in explicit.items()):
             raise ConfigError(
                 f"template {spec.name!r} runs a fixed number of nodes (nodes={nodes}) but "
                 f"{explicit} was given; set 'nodes' only, or use the 'elastic' template"
@@ -374,8 +256,8 @@ def _nodes(spec: TemplateSpec, config: dict[str, object], template: dict[str, ob
             )
         config.setdefault("min_nodes", spec.defaults["min_nodes"])
         if "max_nodes" not in config:
-            default_max = _int("max_nodes", spec.defaults["max_nodes"], 1)
-            config["max_nodes"] = max(default_max, _int("min_nodes", config["min_nodes"], 1))
+            default_max = int_value("max_nodes", spec.defaults["max_nodes"], 1)
+            config["max_nodes"] = max(default_max, int_value("min_nodes", config["min_nodes"], 1))
 
 
 def _resolve(
@@ -455,7 +337,22 @@ def template_values(
     """
     spec, config, template, resolved = _resolve(name, values, source)
     exported = {key: getattr(resolved, key) for key in sorted(config)}
+    out = _command_values(name, spec, template, resolved, slurm_version)
+    out["sbatch_options"] = _sbatch_options(template)
+    out["srun_options"] = _srun_options(template)
+    out["env_exports"] = _env_exports(exported, template, out["signal_lead_s"])
+    return out
 
+
+def _command_values(
+    name: str,
+    spec: TemplateSpec,
+    template: Mapping[str, object],
+    resolved: ElasticConfig,
+    slurm_version: VersionProbe | None,
+) -> dict[str, str]:
+    """The job's name, output, nodes, and the command each task runs (launcher,
+    entrypoint, args, setup)."""
     entrypoint = template.get("entrypoint")
     if not entrypoint:
         raise ConfigError(
@@ -465,19 +362,21 @@ def template_values(
         )
 
     output_dir = template.get("output_dir")
-    launcher = _words("launcher", template["launcher"])
+    launcher = shell_words("launcher", template["launcher"])
     if not launcher:
         raise ConfigError(
             "template value 'launcher' is empty: set it to a command that provides `agent`, e.g. slurm-elastic"
         )
     out: dict[str, str] = {
-        "job_name": _line("job_name", template["job_name"]),
-        "output_prefix": f"{_line('output_dir', output_dir).rstrip('/')}/" if output_dir else "",
+        "job_name": line_value("job_name", template["job_name"]),
+        "output_prefix": f"{line_value('output_dir', output_dir).rstrip('/')}/"
+        if output_dir
+        else "",
         "launcher": " ".join(shlex.quote(w) for w in launcher),
         "launcher_command": shlex.quote(launcher[0]),
         "entrypoint": ("-m " if boolean_value("module", template["module"]) else "")
-        + shlex.quote(_line("entrypoint", entrypoint)),
-        "signal_lead_s": str(_int("signal_lead_s", template["signal_lead_s"], 0)),
+        + shlex.quote(line_value("entrypoint", entrypoint)),
+        "signal_lead_s": str(int_value("signal_lead_s", template["signal_lead_s"], 0)),
         "preempt_signal": resolved.preempt_signal,
         "min_nodes": str(resolved.min_nodes),
         "max_nodes": str(resolved.max_nodes),
@@ -489,13 +388,18 @@ def template_values(
     }
     if spec.fixed_nodes:
         out["nodes"] = str(template["nodes"])
-    args = _words("args", template["args"])
+    args = shell_words("args", template["args"])
     out["args"] = (" " + shlex.join(args)) if args else ""
 
     setup = template["setup"]
-    setup_text = setup if isinstance(setup, str) else "\n".join(_words("setup", setup))
+    setup_text = setup if isinstance(setup, str) else "\n".join(shell_words("setup", setup))
     out["setup"] = setup_text.strip("\n")
+    return out
 
+
+def _sbatch_options(template: Mapping[str, object]) -> str:
+    """The ``#SBATCH`` lines: one per Slurm option set (:data:`SBATCH_OPTIONS`), then
+    ``sbatch_args``."""
     sbatch = []
     for opt in SBATCH_OPTIONS:
         value = template.get(opt.key)
@@ -507,24 +411,32 @@ def template_values(
         else:
             if opt.check is not None:
                 opt.check(value)
-            sbatch.append(f"#SBATCH {opt.flag}={_line(opt.key, value)}")
-    sbatch += [f"#SBATCH {arg}" for arg in _words("sbatch_args", template["sbatch_args"])]
-    out["sbatch_options"] = "\n".join(sbatch)
+            sbatch.append(f"#SBATCH {opt.flag}={line_value(opt.key, value)}")
+    sbatch += [f"#SBATCH {arg}" for arg in shell_words("sbatch_args", template["sbatch_args"])]
+    return "\n".join(sbatch)
 
+
+def _srun_options(template: Mapping[str, object]) -> str:
+    """The options of the ``srun`` that starts one agent per node."""
     # Since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch.
     srun = []
     if template.get("cpus_per_task") is not None:
-        srun.append(f"--cpus-per-task={_int('cpus_per_task', template['cpus_per_task'], 1)}")
-    srun += _words("srun_args", template["srun_args"])
-    out["srun_options"] = "".join(" " + shlex.quote(a) for a in srun)
+        srun.append(f"--cpus-per-task={int_value('cpus_per_task', template['cpus_per_task'], 1)}")
+    srun += shell_words("srun_args", template["srun_args"])
+    return "".join(" " + shlex.quote(a) for a in srun)
 
+
+def _env_exports(
+    exported: Mapping[str, object], template: Mapping[str, object], signal_lead_s: str
+) -> str:
+    """The script's ``export`` lines: the config keys, the notice lead, the user's ``env``."""
     exports = [
         f"export {ENV_PREFIX}{key.upper()}={shlex.quote(str(value))}"
         for key, value in exported.items()
         if value is not None
     ]
     # the agent judges whether a checkpoint save fits the notice (slurm_elastic.slurm.window)
-    exports.append(f"export {SIGNAL_LEAD_ENV}={out['signal_lead_s']}")
+    exports.append(f"export {SIGNAL_LEAD_ENV}={signal_lead_s}")
     env = template["env"]
     if not isinstance(env, Mapping):
         raise ConfigError(f"template value 'env' = {env!r}: expected a mapping NAME: value")
@@ -534,9 +446,8 @@ def template_values(
                 f"template value 'env' has the invalid variable name {env_name!r}; "
                 "use letters, digits and '_'"
             )
-        exports.append(f"export {env_name}={shlex.quote(_line(f'env.{env_name}', env_value))}")
-    out["env_exports"] = "\n".join(exports)
-    return out
+        exports.append(f"export {env_name}={shlex.quote(line_value(f'env.{env_name}', env_value))}")
+    return "\n".join(exports)
 
 
 def render_template(
