@@ -223,20 +223,7 @@ def restore_training_state(
             raise CheckpointMismatchError(f"{source} holds no LR scheduler state")
         scheduler.load_state_dict(bundle["scheduler"])
     if stateful:
-        saved = bundle.get("stateful")
-        missing = sorted(set(stateful) - set(saved or {}))
-        if not isinstance(saved, dict) or missing:
-            raise CheckpointMismatchError(
-                f"{source} holds no state for {missing or sorted(stateful)}; it was saved "
-                "without them (register the same objects as the run that saved it)"
-            )
-        for name, obj in stateful.items():
-            try:
-                obj.load_state_dict(saved[name])
-            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-                raise CheckpointMismatchError(
-                    f"{source} state of {name!r} does not match: {exc}"
-                ) from exc
+        _restore_stateful(bundle, stateful, source)
     rank, world = _dist()
     rng = bundle.get("rng") or []
     if restore_rng_states and rng:
@@ -250,3 +237,25 @@ def restore_training_state(
         global_batch_size=progress.get("global_batch_size"),
         extra=dict(bundle.get("extra") or {}),
     )
+
+
+def _restore_stateful(bundle: dict[str, Any], stateful: Mapping[str, Any], source: object) -> None:
+    """Load the bundle's ``stateful`` entries into the objects registered under their names.
+
+    Raises:
+        CheckpointMismatchError: a name has no saved state, or its state does not fit.
+    """
+    saved = bundle.get("stateful")
+    missing = sorted(set(stateful) - set(saved or {}))
+    if not isinstance(saved, dict) or missing:
+        raise CheckpointMismatchError(
+            f"{source} holds no state for {missing or sorted(stateful)}; it was saved "
+            "without them (register the same objects as the run that saved it)"
+        )
+    for name, obj in stateful.items():
+        try:
+            obj.load_state_dict(saved[name])
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise CheckpointMismatchError(
+                f"{source} state of {name!r} does not match: {exc}"
+            ) from exc

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -205,60 +206,26 @@ def broadcast(
         StateExchangeError: on every rank, if any receiver refused the value (malformed,
             over ``limit``, or ``check`` raised): nothing was received.
     """
-    device = _device(group)
     me = dist.get_rank(group)
-    what = f"the value from rank {src}"
-    sizes = torch.zeros(2, dtype=torch.int64, device=device)
+    ex = _Exchange(group, _device(group), src, me, f"the value from rank {src}")
     header = b""
     data: torch.Tensor | None = None
-    local: BaseException | None = None
-    if me == src:
+    local: StateExchangeError | None = None
+    if ex.sending:
         try:
             header, data = _encode(value)
         except StateExchangeError as exc:
             local = exc
-        sizes = torch.tensor(
-            [len(header), data.numel() if data is not None else 0], dtype=torch.int64, device=device
-        )
-        failed = _vote(local is not None, group, device)  # the sender's own refusal first
-    else:
-        failed = _vote(False, group, device)
-    if failed >= 0:
-        raise _refused(local, failed, what)
-    dist.broadcast(sizes, src=src, group=group)
-    hlen, dlen = (int(v) for v in sizes.tolist())
-    if me != src and not (0 < hlen <= min(_MAX_HEADER, limit) and 0 <= dlen <= limit):
-        local = StateExchangeError(
-            f"{what} announces {hlen} header and {dlen} data bytes; at most {limit} allowed"
-        )
-    failed = _vote(local is not None, group, device)
-    if failed >= 0:
-        raise _refused(local, failed, what)
-    hbuf = torch.zeros(hlen, dtype=torch.uint8, device=device)
-    if me == src:
-        hbuf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    dist.broadcast(hbuf, src=src, group=group)
-    tree: Any = None
-    records: list[Any] = []
-    if me != src:
-        try:
-            tree, records = _parse_header(hbuf.cpu().numpy().tobytes(), dlen)
-            if check is not None:
-                check(_specs(tree, records))
-        except CheckpointCorruptError as exc:
-            local = StateExchangeError(f"{what} is malformed: {exc}")
-        except Exception as exc:  # the check's refusal, whatever its type
-            local = exc
-    failed = _vote(local is not None, group, device)
-    if failed >= 0:
-        raise _refused(local, failed, what)
-    if me == src:
+    ex.agree(local)  # the sender's own refusal first
+    hlen, dlen = _broadcast_sizes(ex, header, data, limit)
+    tree, records = _broadcast_header(ex, header, hlen, dlen, check)
+    if ex.sending:
         if data is None:  # an internal invariant: the sender's own refusal raised above
-            raise StateExchangeError(f"{what} has no data to send")
+            raise StateExchangeError(f"{ex.what} has no data to send")
         if dlen:
-            dist.broadcast(data.to(device), src=src, group=group)
+            dist.broadcast(data.to(ex.device), src=src, group=group)
         return value
-    received = torch.empty(dlen, dtype=torch.uint8, device=device)
+    received = torch.empty(dlen, dtype=torch.uint8, device=ex.device)
     if dlen:
         dist.broadcast(received, src=src, group=group)
     if to_cpu:
@@ -266,7 +233,78 @@ def broadcast(
     try:
         return _materialize(tree, records, received)
     except CheckpointCorruptError as exc:  # checked above; kept for a clear error
-        raise StateExchangeError(f"{what} is malformed: {exc}") from exc
+        raise StateExchangeError(f"{ex.what} is malformed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One :func:`broadcast`'s parties: the group, its device, the sender and this rank."""
+
+    group: Any
+    device: torch.device
+    src: int
+    me: int
+    what: str  # how messages name the value
+
+    @property
+    def sending(self) -> bool:
+        return self.me == self.src
+
+    def agree(self, local: BaseException | None) -> None:
+        """Collective: raise on every rank if any rank refused (``local``: this one's
+        refusal), so that every rank leaves the exchange at the same point."""
+        failed = _vote(local is not None, self.group, self.device)
+        if failed >= 0:
+            raise _refused(local, failed, self.what)
+
+
+def _broadcast_sizes(
+    ex: _Exchange, header: bytes, data: torch.Tensor | None, limit: int
+) -> tuple[int, int]:
+    """Collective: the header and data sizes the sender announces, checked by every
+    receiver against ``limit`` before anything is allocated."""
+    if ex.sending:
+        sizes = torch.tensor(
+            [len(header), data.numel() if data is not None else 0],
+            dtype=torch.int64,
+            device=ex.device,
+        )
+    else:
+        sizes = torch.zeros(2, dtype=torch.int64, device=ex.device)
+    dist.broadcast(sizes, src=ex.src, group=ex.group)
+    hlen, dlen = (int(v) for v in sizes.tolist())
+    local = None
+    if not ex.sending and not (0 < hlen <= min(_MAX_HEADER, limit) and 0 <= dlen <= limit):
+        local = StateExchangeError(
+            f"{ex.what} announces {hlen} header and {dlen} data bytes; at most {limit} allowed"
+        )
+    ex.agree(local)
+    return hlen, dlen
+
+
+def _broadcast_header(
+    ex: _Exchange, header: bytes, hlen: int, dlen: int, check: Callable[[Any], None] | None
+) -> tuple[Any, list[Any]]:
+    """Collective: the header (the value's structure), parsed and checked by every
+    receiver before any tensor byte is sent; ``(tree, records)`` (empty on the sender)."""
+    hbuf = torch.zeros(hlen, dtype=torch.uint8, device=ex.device)
+    if ex.sending:
+        hbuf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    dist.broadcast(hbuf, src=ex.src, group=ex.group)
+    tree: Any = None
+    records: list[Any] = []
+    local: BaseException | None = None
+    if not ex.sending:
+        try:
+            tree, records = _parse_header(hbuf.cpu().numpy().tobytes(), dlen)
+            if check is not None:
+                check(_specs(tree, records))
+        except CheckpointCorruptError as exc:
+            local = StateExchangeError(f"{ex.what} is malformed: {exc}")
+        except Exception as exc:  # the check's refusal, whatever its type
+            local = exc
+    ex.agree(local)
+    return tree, records
 
 
 def broadcast_int(value: int | None, src: int = 0, *, group: Any = None) -> int | None:

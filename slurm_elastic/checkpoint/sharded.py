@@ -41,7 +41,7 @@ from slurm_elastic.checkpoint.manager import (
     failure_of,
 )
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
-from slurm_elastic.checkpoint.store import checked_metadata, checked_step
+from slurm_elastic.checkpoint.store import CheckpointStore, checked_metadata, checked_step
 from slurm_elastic.checkpoint.trust import CheckedDir, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
@@ -137,54 +137,20 @@ def save_sharded(
     manager.flush()
     store = manager.store
     start = time.perf_counter()
-    error: str | None = None
-    tmp_name: str | None = None
-    if rank == 0:
-        try:
-            tmp_name = store.begin(step).name  # 0700; dead writers' leftovers removed first
-        except OSError as exc:
-            error = describe_os_error(exc, store.directory, "create sharded checkpoint in")
-        except CheckpointError as exc:
-            error = str(exc)
+    tmp_name, error = _begin(store, step) if rank == 0 else (None, None)
     tmp_name = _broadcast(tmp_name)
     tmp = store.directory / (tmp_name or "(not created)")
-    try:
-        if tmp_name is not None:
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    except (Exception, CheckpointException) as exc:
-        # DCP wraps per-rank failures (ENOSPC included) in CheckpointException, a
-        # BaseException that ``except Exception`` would miss.
-        cause = _os_error_in(exc) or _full_disk(tmp, state_dict)
-        if cause is not None:
-            error = describe_os_error(cause, tmp, "write sharded checkpoint")
-        else:
-            error = (
-                f"cannot write sharded checkpoint {tmp}: {_summary(exc)}; previous "
-                "checkpoints are intact"
-            )
+    if tmp_name is not None:
+        error = _write(state_dict, tmp)
     final: Path | None = None
     manifest: Manifest | None = None
     if rank == 0 and error is None:
         try:
-            paths = [p for p in sorted(tmp.iterdir()) if p.is_file()]
-            for p in paths:
-                os.chmod(p, 0o600)  # DCP creates files with the umask's mode
-            files = tuple(FileRecord(p.name, *crc32_file(p)) for p in paths)
-            manifest = Manifest(step, "sharded", world, files, metadata=meta, run=store.run_id)
+            manifest = _manifest(tmp, step, world, meta, store.run_id)
             final = store.commit(tmp, manifest)
         except OSError as exc:
             error = describe_os_error(exc, tmp, "commit sharded checkpoint")
-    errors = exchange.all_gather(error)
-    first = next((str(e) for e in errors if e), None)
-    if first is not None:
-        leftover = None
-        if rank == 0 and tmp_name is not None:
-            leftover = store.discard(tmp)
-            events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=first))
-        leftover = _broadcast(str(leftover) if leftover else None)
-        if leftover:
-            first += f"; the partial temporary {leftover} could not be removed: remove it by hand"
-        raise CheckpointWriteError(first)
+    _raise_if_any_failed(store, rank, step, tmp, tmp_name, error)
     path = store.step_path(step)
     if rank == 0 and final is not None and manifest is not None:
         seconds = time.perf_counter() - start
@@ -203,6 +169,73 @@ def save_sharded(
         store.apply_retention(step)
     dist.barrier()  # nobody loads before the commit
     return path
+
+
+def _begin(store: CheckpointStore, step: int) -> tuple[str | None, str | None]:
+    """Rank 0: the save's temporary directory (0700; dead writers' leftovers removed
+    first), as ``(its name, None)``, or ``(None, why not)``."""
+    try:
+        return store.begin(step).name, None
+    except OSError as exc:
+        return None, describe_os_error(exc, store.directory, "create sharded checkpoint in")
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
+def _write(state_dict: dict[str, Any], tmp: Path) -> str | None:
+    """Every rank: DCP writes its shards into ``tmp``; what failed, or ``None``."""
+    try:
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except (Exception, CheckpointException) as exc:
+        # DCP wraps per-rank failures (ENOSPC included) in CheckpointException, a
+        # BaseException that ``except Exception`` would miss.
+        cause = _os_error_in(exc) or _full_disk(tmp, state_dict)
+        if cause is not None:
+            return describe_os_error(cause, tmp, "write sharded checkpoint")
+        return (
+            f"cannot write sharded checkpoint {tmp}: {_summary(exc)}; previous "
+            "checkpoints are intact"
+        )
+    return None
+
+
+def _manifest(
+    tmp: Path, step: int, world: int, meta: Mapping[str, Any], run_id: str | None
+) -> Manifest:
+    """Rank 0: the manifest of the files DCP wrote (made ``0600`` first)."""
+    paths = [p for p in sorted(tmp.iterdir()) if p.is_file()]
+    for p in paths:
+        os.chmod(p, 0o600)  # DCP creates files with the umask's mode
+    files = tuple(FileRecord(p.name, *crc32_file(p)) for p in paths)
+    return Manifest(step, "sharded", world, files, metadata=meta, run=run_id)
+
+
+def _raise_if_any_failed(
+    store: CheckpointStore,
+    rank: int,
+    step: int,
+    tmp: Path,
+    tmp_name: str | None,
+    error: str | None,
+) -> None:
+    """Collective: when any rank failed, rank 0 discards the temporary and every rank
+    raises the first failure.
+
+    Raises:
+        CheckpointWriteError: some rank failed.
+    """
+    errors = exchange.all_gather(error)
+    first = next((str(e) for e in errors if e), None)
+    if first is None:
+        return
+    leftover = None
+    if rank == 0 and tmp_name is not None:
+        leftover = store.discard(tmp)
+        events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=first))
+    leftover = _broadcast(str(leftover) if leftover else None)
+    if leftover:
+        first += f"; the partial temporary {leftover} could not be removed: remove it by hand"
+    raise CheckpointWriteError(first)
 
 
 def load_sharded(

@@ -44,17 +44,25 @@ import builtins
 import errno
 import logging
 import os
-import re
 import shutil
 import socket
 import stat
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_elastic import events
 from slurm_elastic.checkpoint import _faults
+from slurm_elastic.checkpoint.leftovers import (
+    LEFTOVER_PREFIXES,
+    REPLACED_PREFIX,
+    STALE_AFTER_S,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    leftover_name,
+    replaced_step,
+    writer_dead,
+)
 from slurm_elastic.checkpoint.manifest import (
     Manifest,
     checked_metadata,
@@ -87,16 +95,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-TMP_PREFIX = ".tmp-step_"
-REPLACED_PREFIX = ".replaced-step_"
-TRASH_PREFIX = ".trash-step_"
-#: A leftover of a writer on another host is stale when nothing in it changed for this long.
-STALE_AFTER_S = 900.0
-_LEFTOVER_RE = re.compile(
-    r"^\.(?P<kind>tmp|replaced|trash)-step_(?P<step>\d+)-[0-9a-f]{12}"
-    r"(?:-(?P<pid>\d+)@(?P<host>[^/]+))?$"
-)
 
 
 @dataclass(frozen=True)
@@ -159,7 +157,7 @@ class CheckpointStore:
         return self.directory / step_dir_name(step)
 
     def _name(self, prefix: str, step: int) -> str:
-        return f"{prefix}{step}-{uuid.uuid4().hex[:12]}-{os.getpid()}@{self._host}"
+        return leftover_name(prefix, step, self._host)
 
     # ------------------------------------------------------------------ the held directory
     def open_root(self) -> CheckedDir:
@@ -231,32 +229,19 @@ class CheckpointStore:
             raise
 
     def _writer_dead(self, name: str, root: CheckedDir | None = None) -> bool:
-        match = _LEFTOVER_RE.match(name)
-        if match is None:
-            return False
-        pid, host = match.group("pid"), match.group("host")
-        if pid is not None and host == self._host:
-            if int(pid) == os.getpid():
-                return name not in self._active
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
-            return False
-        try:  # another host (or an older name without a writer): judge by activity
-            if root is None:
-                with self.open_root() as held:
-                    return time.time() - held.newest_mtime(name) > STALE_AFTER_S
-            return time.time() - root.newest_mtime(name) > STALE_AFTER_S
-        except (OSError, CheckpointError):
-            return False
+        def newest_mtime(entry: str) -> float:
+            if root is not None:
+                return root.newest_mtime(entry)
+            with self.open_root() as held:  # only when asked: a writer on another host
+                return held.newest_mtime(entry)
+
+        return writer_dead(name, host=self._host, active=self._active, newest_mtime=newest_mtime)
 
     def leftovers(self) -> builtins.list[Path]:
         """Every ``.tmp-``, ``.replaced-`` and ``.trash-`` entry (live or dead writers)."""
-        prefixes = (TMP_PREFIX, REPLACED_PREFIX, TRASH_PREFIX)
-        return sorted(self.directory / n for n in self._entries() if n.startswith(prefixes))
+        return sorted(
+            self.directory / n for n in self._entries() if n.startswith(LEFTOVER_PREFIXES)
+        )
 
     def incomplete(self) -> builtins.list[Path]:
         """Leftovers of interrupted saves (``.tmp-step_*``, ``.replaced-step_*``)."""
@@ -283,10 +268,9 @@ class CheckpointStore:
     def _recover(self, root: CheckedDir) -> builtins.list[int]:
         recovered = []
         for name in sorted(root.names()):
-            match = _LEFTOVER_RE.match(name)
-            if match is None or match.group("kind") != "replaced":
+            step = replaced_step(name)
+            if step is None:
                 continue
-            step = int(match.group("step"))
             final = step_dir_name(step)
             path = self.directory / name
             if final in root.names() or not self._writer_dead(name, root):
@@ -326,8 +310,7 @@ class CheckpointStore:
 
     def _remove_stale(self, root: CheckedDir) -> builtins.list[Path]:
         remaining = []
-        prefixes = (TMP_PREFIX, REPLACED_PREFIX, TRASH_PREFIX)
-        for name in sorted(n for n in root.names() if n.startswith(prefixes)):
+        for name in sorted(n for n in root.names() if n.startswith(LEFTOVER_PREFIXES)):
             path = self.directory / name
             if not self._writer_dead(name, root):
                 remaining.append(path)
