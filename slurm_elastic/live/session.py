@@ -153,10 +153,7 @@ class ElasticSession:
         stall_abort_s: float | None = 1.0,
         fsdp: FSDPConfig | None = None,
     ) -> None:
-        if commit_every < 0:
-            raise ValueError(f"commit_every={commit_every} must be >= 0 (0: no periodic copy)")
-        if stall_abort_s is not None and not stall_abort_s > 0:
-            raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
+        _check_options(commit_every, stall_abort_s)
         self._register_state(
             model, optimizer, scheduler, stateful, fsdp, commit_every, async_commit
         )
@@ -550,6 +547,14 @@ class ElasticSession:
         bundle = to_bundle(self.state, self.sampler.global_batch_size, self.extra or None)
         self.checkpoint.save(bundle, self.step_count, blocking=blocking)
         self._saved_step = self.step_count
+
+
+def _check_options(commit_every: int, stall_abort_s: float | None) -> None:
+    """Refuse option values no session can run with (``ValueError`` naming the value)."""
+    if commit_every < 0:
+        raise ValueError(f"commit_every={commit_every} must be >= 0 (0: no periodic copy)")
+    if stall_abort_s is not None and not stall_abort_s > 0:
+        raise ValueError(f"stall_abort_s={stall_abort_s!r} must be > 0 seconds, or None")
 
 
 def _in_place_available() -> bool:
