@@ -5,7 +5,7 @@ Subcommands:
 * ``agent``  run this node's agent (torchrun's flag names): ``slurm-elastic agent
   --nnodes 1:4 --nproc-per-node 2 train.py --lr 0.1``
 * ``render`` print an sbatch template filled from a config (a dry run of ``sbatch``)
-* ``submit`` submit a config to Slurm (or run it locally) through submitit
+* ``submit`` submit a config to Slurm (the rendered template, sent as is) or run it locally
 * ``config`` print the resolved configuration (defaults, Slurm, YAML, env, flags)
 * ``status``/``logs``/``timeline`` a run's state, per-rank logs, picture (docs/operability.md)
 """
