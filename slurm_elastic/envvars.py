@@ -2,7 +2,7 @@
 
 Every variable slurm_elastic (or its scripts) sets or reads is a row of :data:`VARIABLES`:
 its name, what it means, who sets it and who reads it. Modules import the names from
-here instead of spelling string literals, and ``tests/unit/test_envvars.py`` checks that
+here instead of spelling string literals, and ``tests/config/test_envvars.py`` checks that
 no other module of the package spells one and that the README's reference is this table
 (:func:`markdown_table`).
 

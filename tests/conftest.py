@@ -1,4 +1,14 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the layout of the suite (one axis: by package).
+
+Each folder tests one package or top-level module of ``slurm_elastic``, every kind of
+test for it together (pure, real processes, real Slurm): ``agent/``, ``checkpoint/``,
+``cli/``, ``config/`` (config, envvars), ``live/``, ``notice/``, ``rendezvous/``,
+``slurm/`` (the Slurm seam and parsers; the local cluster), ``submit/`` (templates,
+plans, submission). ``package/`` checks the package as a whole (layers, torch-free
+imports, code shape) and the sample ledger. Three suites cut across packages:
+``faults/`` (the fault matrix on the real Slurm), ``e2e/`` (whole jobs on the real Slurm)
+and ``readme/`` + ``examples/`` (what the documentation and the examples promise).
+Markers say the cost: ``slurm``, ``netns``, ``slow``.
 
 ``slurm_cluster`` (session): the real local Slurm cluster of scripts/slurm-cluster.
 It uses an already-running cluster (``SLURM_CONF`` in the environment, or the env file
@@ -6,7 +16,7 @@ in ``$SLURM_ELASTIC_CLUSTER_DIR``, default /var/tmp/slurm-elastic-cluster), else
 one with ``scripts/slurm-cluster up`` (root only) and leaves it up for the next run
 (scripts/test.sh stops it). When no cluster can be had, tests using it are skipped with
 the reason, except under ``CI=true``, where that is an error. While the session runs,
-``SLURM_CONF`` is set in ``os.environ`` (submitit and sbatch read it from there).
+``SLURM_CONF`` is set in ``os.environ`` (sbatch and scontrol read it from there).
 
 ``slurm_netns_cluster``: the same cluster, skipping unless it runs in netns mode (real
 per-node hostnames, IPs and port spaces).

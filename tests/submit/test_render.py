@@ -3,7 +3,7 @@
 Golden files live in tests/data/golden/<case>.sbatch. After an intended template change,
 regenerate them with
 
-    UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_render.py
+    UPDATE_GOLDEN=1 .venv/bin/pytest tests/submit/test_render.py
 
 and review the diff before committing.
 
