@@ -112,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    notice.install_preemption_handler()
     data = Synthetic(args)
     t = Training(args)
     session = ElasticSession(

@@ -16,7 +16,7 @@ from slurm_elastic import ledger
 
 T = TypeVar("T")
 
-__all__ = ["Other", "read_jsonl", "second_user", "wait_for"]
+__all__ = ["Other", "process_tree", "read_jsonl", "second_user", "survives_signal", "wait_for"]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
@@ -95,3 +95,42 @@ def second_user() -> Iterator[Other]:
             subprocess.run(["userdel", name], check=False)
     finally:
         subprocess.run(["groupdel", name], check=False, stderr=subprocess.DEVNULL)
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants alive now (from ``/proc``), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo += sorted(children.get(pid, []))
+    return out
+
+
+def survives_signal(pid: int, signum: int) -> bool | None:
+    """Whether signal ``signum`` cannot kill ``pid`` now: the process catches or ignores
+    it (``SigCgt``/``SigIgn`` of ``/proc/<pid>/status``: process-wide dispositions).
+
+    Returns:
+        ``None`` when the process is gone.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    bit = 1 << (signum - 1)
+    masks = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigCgt", "SigIgn"):
+            masks[key] = int(value.strip(), 16)
+    return any(mask & bit for mask in masks.values())
