@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+    p.add_argument(
+        "--plain-loader",
+        action="store_true",
+        help="no worker_init_fn (the README's loop): forked workers rely on the session",
+    )
     p.add_argument("--checkpoint-dir", default=None, help="default: $SLURM_ELASTIC_CHECKPOINT_DIR")
     p.add_argument("--out", default=None, help="rank 0 writes the final parameters here")
     p.add_argument("--ledger", default=None, help="append consumed sample indices (JSONL)")
@@ -123,9 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         reform_timeout_s=args.reform_timeout,
     )  # fmt: skip
     while not session.finished(steps=args.steps):
+        # The notice reaches the loader's workers too when Slurm signals every process
+        # of the step: forked workers inherit the session's handler (the README's
+        # shape, --plain-loader); loader_worker_init makes every loader worker ignore
+        # it, also those of a spawn/forkserver loader, which inherit no handler.
+        init = None if args.plain_loader else notice.loader_worker_init
         loader = DataLoader(
             data, batch_sampler=session.batches(), collate_fn=collate,
-            num_workers=args.num_workers,
+            num_workers=args.num_workers, worker_init_fn=init,
         )  # fmt: skip
         for batch in loader:
             with session.step() as s:

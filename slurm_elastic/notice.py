@@ -76,8 +76,10 @@ __all__ = [
     "Progress",
     "await_new_round",
     "clear_notice",
+    "ensure_preemption_handler",
     "install_preemption_handler",
     "last_progress",
+    "loader_worker_init",
     "notice_raised",
     "parse_signal",
     "preemption_agreed",
@@ -324,14 +326,63 @@ def install_preemption_handler(
 def _ensure_handler() -> None:
     # A worker that never installed the handler would be *killed* by SIGUSR2's default
     # action; install it lazily on first use when that is still possible and harmless.
-    if _handled_signal is not None or threading.current_thread() is not threading.main_thread():
+    ensure_preemption_handler()
+
+
+def ensure_preemption_handler() -> _signal.Signals | None:
+    """Install the preemption handler now, unless the preempt signal is handled already.
+
+    Called by :class:`~slurm_elastic.live.ElasticSession` when it is created, so that
+    processes the training script forks afterwards (``DataLoader`` workers) inherit a
+    handler instead of the signal's default action, which terminates: Slurm signals every
+    process of a job step when the notice is not batch-only (``scancel --signal=USR2``
+    without ``--batch``, ``--signal=USR2@lead`` without ``B:``, submitit's jobs), and a
+    loader worker killed by it makes the training loop raise before it can checkpoint.
+    A handler the script installed itself (its own, or ``SIG_IGN``) is left alone.
+
+    Returns:
+        The signal handled by this module's handler, or ``None`` when nothing was
+        installed (not the main thread, another handler in place, an invalid
+        ``$SLURM_ELASTIC_PREEMPT_SIGNAL``).
+    """
+    if _handled_signal is not None:
+        return _handled_signal
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        sig = parse_signal(os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL))
+    except ConfigError:
+        return None
+    if _signal.getsignal(sig) in (_signal.SIG_DFL, None):
+        return install_preemption_handler(sig)
+    return None
+
+
+def loader_worker_init(worker_id: int = 0) -> None:
+    """Make a helper process of a training worker immune to the notice: ignore the signal.
+
+    Pass it as ``DataLoader(..., worker_init_fn=notice.loader_worker_init)`` (or call it
+    first in your own ``worker_init_fn``). The notice is for the training process, which
+    checkpoints at its next step boundary; a loader worker has nothing to save and must
+    keep serving batches until then, but the preempt signal's default action terminates
+    it. Forked loader workers inherit the training process' handler (installed by
+    :class:`~slurm_elastic.live.ElasticSession` or :func:`install_preemption_handler`)
+    and need nothing; workers of a ``spawn`` or ``forkserver`` loader start with the
+    default action and need this. Such a worker is still exposed while it starts, before
+    ``worker_init_fn`` runs: use the ``fork`` context, or ``persistent_workers=True`` to
+    start them once.
+
+    Args:
+        worker_id: the loader's worker index (unused; ``worker_init_fn``'s signature).
+    """
+    del worker_id
+    if threading.current_thread() is not threading.main_thread():
         return
     try:
         sig = parse_signal(os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL))
     except ConfigError:
         return
-    if _signal.getsignal(sig) in (_signal.SIG_DFL, None):
-        install_preemption_handler(sig)
+    _signal.signal(sig, _signal.SIG_IGN)
 
 
 def preemption_requested() -> bool:

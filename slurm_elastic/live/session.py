@@ -154,6 +154,9 @@ class ElasticSession:
         fsdp: FSDPConfig | None = None,
     ) -> None:
         _check_options(commit_every, stall_abort_s)
+        # Now, before the script forks its DataLoader workers: they inherit the handler,
+        # so the notice Slurm sends to every process of the step cannot kill them.
+        notice.ensure_preemption_handler()
         self._register_state(
             model, optimizer, scheduler, stateful, fsdp, commit_every, async_commit
         )

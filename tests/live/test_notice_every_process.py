@@ -9,8 +9,9 @@ loop raises (``DataLoader worker ... is killed by signal``) before its next step
 boundary, so the checkpoint the notice asks for is never written.
 
 ``examples/train_own_loop.py`` (the README's own-loop shape: an ``ElasticSession``, a
-``DataLoader(num_workers=2)`` per epoch, no explicit handler installed) runs on one agent
-with two workers; the test sends ``SIGUSR2`` to every process of the agent's tree, as
+``DataLoader(num_workers=2)`` per epoch, no explicit handler installed; with
+``worker_init_fn=notice.loader_worker_init``, and ``plain``: without, as in the README)
+runs on one agent with two workers; the test sends ``SIGUSR2`` to every process of the agent's tree, as
 slurmstepd does, and asserts: no loader worker could die of it (each catches or ignores
 it) and none did (no such error in the log), both ranks checkpoint at their next step
 boundary and the agent exits PREEMPTED (outside Slurm it has nothing to requeue); the
@@ -67,11 +68,13 @@ def events(tmp: Path, run_id: str, kind: str) -> list[dict]:
     return [e for e in read_events(directory) if e["kind"] == kind] if directory.exists() else []
 
 
+@pytest.mark.parametrize("loader", ["worker-init", "plain"])
 def test_a_notice_to_every_process_still_checkpoints_and_loses_nothing(
-    tmp_path: Path, nodes: list[LiveRun]
+    tmp_path: Path, nodes: list[LiveRun], loader: str
 ) -> None:
     run_id = "notice-all"
-    a = LiveRun(tmp_path, run_id, "1", "a", "--num-workers", "2", steps=STEPS, script=SCRIPT)
+    args = ["--num-workers", "2", *(["--plain-loader"] if loader == "plain" else [])]
+    a = LiveRun(tmp_path, run_id, "1", "a", *args, steps=STEPS, script=SCRIPT)
     nodes.append(a)
     pid = a.proc.pid
     # training, and both workers have their two loader workers (an epoch in progress)
@@ -113,7 +116,7 @@ def test_a_notice_to_every_process_still_checkpoints_and_loses_nothing(
     loaded = CheckpointManager(tmp_path / "state" / "checkpoints" / run_id).load_latest()
     assert loaded is not None and loaded.step == last, loaded
     # a second agent of the run resumes from it: nothing lost, nothing redone
-    b = LiveRun(tmp_path, run_id, "1", "b", "--num-workers", "2", steps=STEPS, script=SCRIPT)
+    b = LiveRun(tmp_path, run_id, "1", "b", *args, steps=STEPS, script=SCRIPT)
     nodes.append(b)
     assert b.wait(180) == ExitCode.FINISHED, b.log()[-4000:]
     records = ledger(tmp_path)
