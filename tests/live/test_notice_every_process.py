@@ -22,6 +22,7 @@ parameters of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -95,10 +96,8 @@ def test_a_notice_to_every_process_still_checkpoints_and_loses_nothing(
     exposed = [p for p in loaders if survives_signal(p, signal.SIGUSR2) is False]
     # every process of the tree, as slurmstepd signals the processes of a step
     for target in process_tree(pid):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(target, signal.SIGUSR2)
-        except ProcessLookupError:
-            pass
     code = a.wait(150)
     log = a.log()
     assert not [line for line in log.splitlines() if any(d in line for d in LOADER_DEATH)], (
