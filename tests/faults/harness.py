@@ -85,13 +85,27 @@ def train_args(steps: int, save_every: int = 10) -> list[str]:
     ]
 
 
-def reference(tmp_root: Path, args: list[str]) -> Path:
-    """Final parameters of the uninterrupted one-process run of ``args`` (cached)."""
-    key = tuple(args)
+def reference(tmp_root: Path, args: list[str], module: str = "train_ddp") -> Path:
+    """Final parameters of the uninterrupted one-process run of ``args`` (cached).
+
+    ``module``: the example; ``train_own_loop`` has its own in-process reference."""
+    key = (module, *args)
     if key not in _REFERENCES:
         where = tmp_root / f"reference-{len(_REFERENCES)}"
         where.mkdir(parents=True)
-        _REFERENCES[key] = reference_params(where, args)
+        if module == "train_own_loop":
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+            try:
+                import train_own_loop
+            finally:
+                sys.path.pop(0)
+            import torch
+
+            out = where / "params.pt"
+            torch.save(train_own_loop.reference(args), out)
+            _REFERENCES[key] = out
+        else:
+            _REFERENCES[key] = reference_params(where, args)
     return _REFERENCES[key]
 
 
@@ -157,6 +171,9 @@ class FaultRun:
     steps: int = 400
     save_every: int = 10
     values: dict[str, Any] = field(default_factory=dict)
+    #: the example paced_train.py runs (train_ddp's command line), and more of its flags
+    train_module: str = TRAIN_MODULE
+    train_extra: list[str] = field(default_factory=list)
     job: str = ""
     extra_jobs: list[str] = field(default_factory=list)
     _round_at: dict[float, int] = field(default_factory=dict, repr=False)
@@ -205,7 +222,8 @@ class FaultRun:
             "--hold-write-file",
             str(self.hold_file),
             "--train-module",
-            TRAIN_MODULE,
+            self.train_module,
+            *self.train_extra,
         ]
         values = {
             "entrypoint": str(PACED),
@@ -224,8 +242,10 @@ class FaultRun:
         return render(self.mode, values)
 
     # ------------------------------------------------------------------ lifecycle
-    def submit(self) -> str:
-        self.job = self.cluster.client.submit(self.script())
+    def submit(self, extra_args: list[str] | None = None) -> str:
+        """Submit the job; ``extra_args``: sbatch options on its command line (they
+        override the script's ``#SBATCH`` lines, e.g. ``--signal=USR2@60``)."""
+        self.job = self.cluster.client.submit(self.script(), extra_args or [])
         return self.job
 
     def submit_extra(self, script: str) -> str:
@@ -420,7 +440,9 @@ class FaultRun:
         per_epoch = effective_ledger(self.tmp / "ledger.jsonl")
         steps_done = sum(len(v) for v in per_epoch.values()) // GLOBAL_BATCH
         assert steps_done == self.steps, f"{steps_done} effective steps, expected {self.steps}"
-        diff = max_abs_diff(self.tmp / "params.pt", reference(tmp_root, self.train_args))
+        diff = max_abs_diff(
+            self.tmp / "params.pt", reference(tmp_root, self.train_args, self.train_module)
+        )
         assert diff < ATOL, f"final parameters differ by {diff} from the uninterrupted run"
 
     def check_interim(self, case: str) -> None:
