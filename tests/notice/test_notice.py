@@ -186,3 +186,66 @@ def test_parse_signal_rejects_unknown_with_hint() -> None:
         notice.parse_signal("USR3")
     with pytest.raises(ConfigError, match=r"999 is not a signal number"):
         notice.parse_signal(999)
+
+
+# Slurm signals every process of a step when the notice is not batch-only (issue #22
+# item 8): a training script's helper processes (DataLoader workers) get it too.
+FORK_HELPER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from slurm_elastic import notice
+    if sys.argv[1] == "own":
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the script's own choice: kept
+    got = notice.ensure_preemption_handler()
+    print(got.name if got else None, signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)
+    pid = os.fork()
+    if pid == 0:  # a forked helper (a DataLoader worker): inherits the disposition
+        time.sleep(0.5)
+        os._exit(0)
+    os.kill(pid, signal.SIGUSR2)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize(("mode", "handled", "ignored"), [("new", "SIGUSR2", "False"),
+                                                          ("own", "None", "True")])  # fmt: skip
+def test_ensure_handler_before_a_fork_keeps_the_forked_helper_alive(
+    mode: str, handled: str, ignored: str
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_HELPER, mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
+    ).stdout.split()
+    assert out == [handled, ignored, "0"], out  # 0: the helper exited by itself, not -12
+
+
+FRESH_HELPER = textwrap.dedent(
+    """
+    import os, signal
+    from slurm_elastic import notice
+    notice.loader_worker_init(0)
+    print(signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, flush=True)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    print("alive", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["USR2", "USR1"])
+def test_loader_worker_init_makes_a_fresh_helper_ignore_the_notice(name: str) -> None:
+    # A spawn/forkserver DataLoader worker starts with the default action (terminate).
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH_HELPER.replace("SIGUSR2", f"SIG{name}")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SLURM_ELASTIC_PREEMPT_SIGNAL": name},
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "alive"], proc
