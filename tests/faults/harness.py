@@ -242,10 +242,8 @@ class FaultRun:
         return render(self.mode, values)
 
     # ------------------------------------------------------------------ lifecycle
-    def submit(self, extra_args: list[str] | None = None) -> str:
-        """Submit the job; ``extra_args``: sbatch options on its command line (they
-        override the script's ``#SBATCH`` lines, e.g. ``--signal=USR2@60``)."""
-        self.job = self.cluster.client.submit(self.script(), extra_args or [])
+    def submit(self) -> str:
+        self.job = self.cluster.client.submit(self.script())
         return self.job
 
     def submit_extra(self, script: str) -> str:
