@@ -370,7 +370,8 @@ def loader_worker_init(worker_id: int = 0) -> None:
     and need nothing; workers of a ``spawn`` or ``forkserver`` loader start with the
     default action and need this. Such a worker is still exposed while it starts, before
     ``worker_init_fn`` runs: use the ``fork`` context, or ``persistent_workers=True`` to
-    start them once.
+    start them once. A preempt signal ``TERM`` is left alone: torch's loader workers
+    handle SIGTERM themselves, and it must still end them.
 
     Args:
         worker_id: the loader's worker index (unused; ``worker_init_fn``'s signature).
@@ -382,7 +383,8 @@ def loader_worker_init(worker_id: int = 0) -> None:
         sig = parse_signal(os.environ.get(PREEMPT_SIGNAL_ENV, DEFAULT_PREEMPT_SIGNAL))
     except ConfigError:
         return
-    _signal.signal(sig, _signal.SIG_IGN)
+    if sig != _signal.SIGTERM:
+        _signal.signal(sig, _signal.SIG_IGN)
 
 
 def preemption_requested() -> bool:

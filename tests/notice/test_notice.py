@@ -249,3 +249,18 @@ def test_loader_worker_init_makes_a_fresh_helper_ignore_the_notice(name: str) ->
         check=False,
     )
     assert proc.returncode == 0 and proc.stdout.split() == ["True", "alive"], proc
+
+
+def test_loader_worker_init_leaves_a_term_notice_alone() -> None:
+    # SIGTERM must still end a loader worker (torch's workers handle it themselves).
+    script = "import signal; from slurm_elastic import notice; notice.loader_worker_init(0); "
+    script += "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SLURM_ELASTIC_PREEMPT_SIGNAL": "TERM"},
+        check=True,
+    )
+    assert proc.stdout.split() == ["True"], proc
