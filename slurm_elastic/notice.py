@@ -11,6 +11,13 @@ their paths reach the workers through the environment:
   a checkpoint inside a handler can run mid-backward and never finish (Lightning #21406).
   The file covers what the signal cannot: a worker that had not installed the handler yet,
   or a notice raised while the worker was being (re)started.
+  Slurm may also send the signal itself to *every* process of the job step (a notice
+  that is not batch-only: ``scancel --signal=USR2`` without ``--batch``,
+  ``--signal=USR2@lead`` without ``B:``), the workers' ``DataLoader`` workers included,
+  whom its default action would kill: :func:`ensure_preemption_handler` (called when an
+  ``ElasticSession`` is created) installs the handler before the script forks them, so
+  they inherit it, and :func:`loader_worker_init` (a ``worker_init_fn``) makes any
+  loader worker ignore the signal.
 * ``SLURM_ELASTIC_HEARTBEAT_FILE``: :func:`report_progress` records the last finished step
   so the agent's hang watchdog (:func:`last_progress`) can tell a slow job from a stuck one.
 
