@@ -11,8 +11,7 @@ its training workers and their forked ``DataLoader`` workers, all at once. Two f
   line does not do it: Slurm 22.05 keeps the script's ``B:`` flag, the batch shell got
   the notice and forwarded it.)
 
-``fault_tolerant`` starts the agent as an ``srun`` step (as submitit does), so both forms
-reach it. (``elastic_array`` has no step: the agent *is* the batch shell, and a notice
+``fault_tolerant`` starts the agent as an ``srun`` step, so both forms reach it. (``elastic_array`` has no step: the agent *is* the batch shell, and a notice
 without ``--batch``/``B:`` reaches no process at all; its template asks for ``B:``.)
 
 The job runs ``examples/train_own_loop.py`` with ``DataLoader(num_workers=2)``. Each case

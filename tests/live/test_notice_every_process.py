@@ -2,7 +2,7 @@
 item 8), no Slurm (the real agent, real workers, real ``DataLoader`` worker processes).
 
 A signal that is not batch-only (``scancel --signal=USR2 JOB`` without ``--batch``,
-``--signal=USR2@lead`` without ``B:``, submitit's jobs) reaches the agent, its training
+``--signal=USR2@lead`` without ``B:``) reaches the agent, its training
 workers *and* their forked ``DataLoader`` workers at once. ``SIGUSR2``'s default action
 is to terminate: a loader worker that has no handler dies, and the training process'
 loop raises (``DataLoader worker ... is killed by signal``) before its next step
