@@ -11,13 +11,9 @@ their paths reach the workers through the environment:
   a checkpoint inside a handler can run mid-backward and never finish (Lightning #21406).
   The file covers what the signal cannot: a worker that had not installed the handler yet,
   or a notice raised while the worker was being (re)started.
-  Slurm may also send the signal itself to *every* process of the job step (a notice
-  that is not batch-only: ``scancel --signal=USR2`` without ``--batch``,
-  ``--signal=USR2@lead`` without ``B:``), the workers' ``DataLoader`` workers included,
-  whom its default action would kill: :func:`ensure_preemption_handler` (called when an
-  ``ElasticSession`` is created) installs the handler before the script forks them, so
-  they inherit it, and :func:`loader_worker_init` (a ``worker_init_fn``) makes any
-  loader worker ignore the signal.
+  Slurm may signal every process of the step itself (a notice that is not batch-only),
+  ``DataLoader`` workers included: see :func:`ensure_preemption_handler` and
+  :func:`loader_worker_init`.
 * ``SLURM_ELASTIC_HEARTBEAT_FILE``: :func:`report_progress` records the last finished step
   so the agent's hang watchdog (:func:`last_progress`) can tell a slow job from a stuck one.
 
@@ -330,27 +326,18 @@ def install_preemption_handler(
     return resolved
 
 
-def _ensure_handler() -> None:
-    # A worker that never installed the handler would be *killed* by SIGUSR2's default
-    # action; install it lazily on first use when that is still possible and harmless.
-    ensure_preemption_handler()
-
-
 def ensure_preemption_handler() -> _signal.Signals | None:
     """Install the preemption handler now, unless the preempt signal is handled already.
 
-    Called by :class:`~slurm_elastic.live.ElasticSession` when it is created, so that
-    processes the training script forks afterwards (``DataLoader`` workers) inherit a
-    handler instead of the signal's default action, which terminates: Slurm signals every
-    process of a job step when the notice is not batch-only (``scancel --signal=USR2``
-    without ``--batch``, ``--signal=USR2@lead`` without ``B:``, submitit's jobs), and a
-    loader worker killed by it makes the training loop raise before it can checkpoint.
-    A handler the script installed itself (its own, or ``SIG_IGN``) is left alone.
+    ``ElasticSession`` calls it when created: ``DataLoader`` workers forked afterwards
+    inherit the handler instead of the default action (terminate), for Slurm signals
+    every process of the step when the notice is not batch-only (``scancel --signal``
+    without ``--batch``, ``--signal=USR2@lead`` without ``B:``). A script's own handler
+    (or ``SIG_IGN``) is left alone.
 
     Returns:
-        The signal handled by this module's handler, or ``None`` when nothing was
-        installed (not the main thread, another handler in place, an invalid
-        ``$SLURM_ELASTIC_PREEMPT_SIGNAL``).
+        The signal this module handles, or ``None`` when nothing was installed (not the
+        main thread, another handler in place, an invalid ``$SLURM_ELASTIC_PREEMPT_SIGNAL``).
     """
     if _handled_signal is not None:
         return _handled_signal
@@ -366,19 +353,14 @@ def ensure_preemption_handler() -> _signal.Signals | None:
 
 
 def loader_worker_init(worker_id: int = 0) -> None:
-    """Make a helper process of a training worker immune to the notice: ignore the signal.
+    """Make a helper process of a training worker (a ``DataLoader`` worker) ignore the notice.
 
-    Pass it as ``DataLoader(..., worker_init_fn=notice.loader_worker_init)`` (or call it
-    first in your own ``worker_init_fn``). The notice is for the training process, which
-    checkpoints at its next step boundary; a loader worker has nothing to save and must
-    keep serving batches until then, but the preempt signal's default action terminates
-    it. Forked loader workers inherit the training process' handler (installed by
-    :class:`~slurm_elastic.live.ElasticSession` or :func:`install_preemption_handler`)
-    and need nothing; workers of a ``spawn`` or ``forkserver`` loader start with the
-    default action and need this. Such a worker is still exposed while it starts, before
-    ``worker_init_fn`` runs: use the ``fork`` context, or ``persistent_workers=True`` to
-    start them once. A preempt signal ``TERM`` is left alone: torch's loader workers
-    handle SIGTERM themselves, and it must still end them.
+    ``DataLoader(..., worker_init_fn=notice.loader_worker_init)``, or call it in your own
+    ``worker_init_fn``. The notice is for the training process; a loader worker must keep
+    serving batches until its next step boundary. Forked workers inherit the session's
+    handler; ``spawn``/``forkserver`` workers start with the default action (terminate)
+    and need this, and are exposed while they start (before ``worker_init_fn``). A preempt
+    signal ``TERM`` is left alone: it must still end torch's loader workers.
 
     Args:
         worker_id: the loader's worker index (unused; ``worker_init_fn``'s signature).
@@ -404,8 +386,8 @@ def preemption_requested() -> bool:
     global _notice_checked_at, _notice_seen
     if _flag or _notice_seen:
         return True
-    if _handled_signal is None:
-        _ensure_handler()
+    if _handled_signal is None:  # else SIGUSR2's default action would kill this worker
+        ensure_preemption_handler()
     path = _env(NOTICE_FILE_ENV)
     if path:
         now = time.monotonic()
