@@ -26,10 +26,12 @@ FAST = {
 }
 
 
-def job_values(tmp: Path, mode: str, train_args: list[str], **values: Any) -> dict[str, Any]:
+def job_values(
+    tmp: Path, mode: str, train_args: list[str], *, script: Path = TRAIN, **values: Any
+) -> dict[str, Any]:
     (tmp / "logs").mkdir(exist_ok=True)
     return {
-        "entrypoint": str(TRAIN),
+        "entrypoint": str(script),
         "args": train_args,
         "launcher": f"{sys.executable} -m slurm_elastic.cli.main",
         "output_dir": str(tmp / "logs"),
@@ -69,6 +71,14 @@ def assert_ledger_ok(path: Path, n: int, *, so_far: bool = False) -> None:
     one checker, ``slurm_elastic.ledger.check``)."""
     problems = ledger.check(ledger.read(path), n, so_far=so_far)
     assert not problems, f"{path}: {problems}"
+
+
+def assert_close_params(a: Path, b: Path, *, rtol: float, atol: float) -> None:
+    """The parameters (and any other tensors saved) of ``a`` equal ``b``'s within tolerance."""
+    pa, pb = torch.load(a), torch.load(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        torch.testing.assert_close(pa[key], pb[key], rtol=rtol, atol=atol, msg=key)
 
 
 def max_abs_diff(a: Path, b: Path) -> float:

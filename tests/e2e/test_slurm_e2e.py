@@ -36,7 +36,7 @@ DATASET = 400
 TERMINAL = {s for s in JobState if s.is_terminal}
 
 
-def reference_params(tmp: Path, train_args: list[str]) -> Path:
+def reference_params(tmp: Path, train_args: list[str], script: Path = TRAIN) -> Path:
     """The same training, uninterrupted, one process (no Slurm)."""
     ref = tmp / "reference"
     ref.mkdir()
@@ -57,7 +57,7 @@ def reference_params(tmp: Path, train_args: list[str]) -> Path:
             "reference",
             "--state-dir",
             str(ref / "state"),
-            str(TRAIN),
+            str(script),
             *train_args,
             "--step-time",
             "0",
