@@ -35,7 +35,6 @@ import torch
 
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.container import (
-    Unsupported,
     decode_tree,
     encode,
     read_container,
@@ -49,7 +48,12 @@ from slurm_elastic.checkpoint.trust import (
     open_data_file,
     read_error,
 )
-from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from slurm_elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    UnsupportedStateError,
+)
 
 __all__ = [
     "STATE_FILE",
@@ -175,7 +179,7 @@ def write_state(state: Any, directory: Path) -> FileRecord:
 
     try:
         encoded: tuple[bytes, list[torch.Tensor]] | None = encode(state)
-    except Unsupported as exc:
+    except UnsupportedStateError as exc:
         log.debug("state holds %s; writing it with torch.save", exc)
         encoded = None
     if encoded is None:

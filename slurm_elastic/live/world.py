@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
+from slurm_elastic.errors import ReformTimeoutError
 from slurm_elastic.live import auth, control
 from slurm_elastic.live.abort import StallGuard, connected_sockets
 from slurm_elastic.live.fsdp import ShardedModel
@@ -60,10 +61,6 @@ _FAILURE_WORDS = (
     "ProcessGroup",
     "Socket",
 )
-
-
-class ReformTimeoutError(RuntimeError):
-    """No new round arrived in time after a peer failed: fall back to a restart."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
