@@ -49,6 +49,8 @@ the builtin (``ValueError``, ``TimeoutError``, ...) catches ours too.
     │                                  large, or not this rank's structure): nothing of
     │                                  the receiver's was replaced
     ├── ShardsLostError                a peer's shards are gone, no newer full copy
+    ├── PeerLostError                  (also RuntimeError) a peer of the process group
+    │                                  is gone (its gloo group could not form)
     ├── ReformTimeoutError             (also RuntimeError) no new round came in time
     │                                  after a peer failed: restart instead
     ├── UnsafeDirectoryError           (also PermissionError) a directory of ours is a
@@ -60,8 +62,9 @@ newer than tested.
 
 Errors torch raises pass through unchanged where the caller knows them (a rendezvous
 handler raises torch's ``RendezvousError`` family, which torch's agent handles); a
-failed peer is recognised by torch's types (``torch.distributed.DistError``), see
-:func:`slurm_elastic.live.world.is_peer_failure`.
+failed peer is recognised by type, never by message: torch's ``DistError`` family, or
+gloo's plain ``RuntimeError`` while the group's connections are down (see
+:func:`slurm_elastic.live.world.is_peer_failure`).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ __all__ = [
     "JobFailedError",
     "JobTimeoutError",
     "MissingDirectoryError",
+    "PeerLostError",
     "ReformTimeoutError",
     "RendezvousSetupError",
     "RoundBrokenError",
@@ -271,6 +275,12 @@ class StateExchangeError(SlurmElasticError):
 
 class ShardsLostError(SlurmElasticError):
     """A peer's shards are gone and no full copy newer than the last step exists."""
+
+
+class PeerLostError(SlurmElasticError, RuntimeError):
+    """A peer of the process group is gone: the group could not form (gloo could not
+    connect to it). The in-place loop waits for the next round; also a ``RuntimeError``,
+    the type torch's gloo error it replaces has."""
 
 
 class ReformTimeoutError(SlurmElasticError, RuntimeError):
