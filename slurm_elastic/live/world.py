@@ -306,10 +306,11 @@ class LiveWorld:
                 timeout=self.timeout,
             )
         except RuntimeError as exc:
-            # gloo's connectFullMesh (ProcessGroupGloo's constructor) raises a plain
-            # RuntimeError (torch 2.13, 2.14.1) when a peer that published its address
-            # is gone (refused, reset or timed-out connects); a peer that never published
-            # it is a DistStoreError already. Plain RuntimeError only: its subclasses
+            # init_process_group -> ProcessGroupGloo's constructor -> connectFullMesh
+            # raises a plain RuntimeError ("Gloo connectFullMesh failed with ... Connect
+            # timeout"; torch 2.13 and 2.14.1, tests/live/test_peer_failure.py) when a
+            # peer that published its address is gone; a peer that never published it
+            # is a DistStoreError already. Plain RuntimeError only: its subclasses
             # (torch's DistError family included) pass unchanged.
             if type(exc) is not RuntimeError or not _is_gloo(self.backend):
                 raise

@@ -11,16 +11,20 @@ and DDP wrap), writes ``DIR/ready<RANK>``, then:
 
 Scenarios: ``all_reduce`` (a collective), ``backward`` (DDP's all-reduce inside
 ``loss.backward()``), ``bug`` (both ranks: a shape mismatch and a ``ValueError`` on an
-intact group; each rank writes ``result<RANK>.json``).
+intact group; each rank writes ``result<RANK>.json``), ``formation`` (rank 0 dies right
+after publishing its gloo address; rank 1 writes what ``_join`` raised).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,52 @@ def _report(exc: BaseException) -> dict[str, object]:
     }
 
 
+class _DieAfterSet(dist.Store):
+    """The round's store of a rank that is SIGKILLed right after its first write."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, value)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._inner.get(key))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+
+def _formation(live: LiveWorld, a: control.Assignment, out: Path) -> None:
+    store = live._connect(a)
+    if a.rank == 0:
+        live._join(a, _DieAfterSet(store))  # never returns: killed after its address
+        return
+    (out / "ready0").write_text("")  # nothing to wait for in the test
+    (out / "ready1").write_text("")
+    try:
+        live._join(a, store)
+        result: dict[str, object] = {"type": None, "peer_failure": False, "message": ""}
+    except Exception as exc:
+        result = _report(exc)
+        cause = exc.__cause__
+        result["cause"] = (
+            None if cause is None else f"{type(cause).__module__}.{type(cause).__qualname__}"
+        )
+    (out / "result.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     rank, port, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     timeout_s, out = float(sys.argv[4]), Path(sys.argv[5])
@@ -50,6 +100,9 @@ def main() -> None:
         in_place=True,
     )
     a = control.Assignment(1, rank, 2, 0, rank, 2, "127.0.0.1", port)
+    if scenario == "formation":
+        _formation(live, a, out)
+        return
     live._join(a, live._connect(a))
     live.wrap()
     dist.barrier()

@@ -97,10 +97,36 @@ def test_a_peer_killed_mid_collective_is_a_peer_failure(tmp_path: Path, operatio
     assert result["peer_failure"] is True, result
 
 
+@pytest.mark.slow  # waits out the group's timeout
 def test_a_collective_timed_out_on_a_silent_peer_is_a_peer_failure(tmp_path: Path) -> None:
     result = _run(tmp_path, "all_reduce", timeout_s=10, kill=False)
     assert result["type"] == "builtins.RuntimeError", result
     assert result["peer_failure"] is True, result
+
+
+@pytest.mark.slow  # waits out gloo's connect timeout
+def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path) -> None:
+    """Rank 0 publishes its gloo address and dies: gloo's connectFullMesh raises a plain
+    RuntimeError ("Connect timeout"); LiveWorld._join raises it as PeerLostError."""
+    port = free_port()
+    master = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True
+    )
+    procs = _start(tmp_path, port, "formation", 8)
+    try:
+        assert procs[1].wait(180) == 0, _logs(tmp_path)
+        assert procs[0].wait(60) == -signal.SIGKILL, _logs(tmp_path)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        del master
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["type"] == "slurm_elastic.errors.PeerLostError", result
+    assert result["cause"] == "builtins.RuntimeError", result  # what torch raised
+    assert result["peer_failure"] is True
+    assert "did not form" in str(result["message"])
 
 
 def test_a_bug_on_an_intact_group_is_not_a_peer_failure(tmp_path: Path) -> None:
