@@ -75,8 +75,13 @@ def _formation(live: LiveWorld, a: control.Assignment, out: Path) -> None:
         return
     (out / "ready0").write_text("")  # nothing to wait for in the test
     (out / "ready1").write_text("")
+    stage = "join"
     try:
         live._join(a, store)
+        # gloo may finish connectFullMesh before the peer's death reaches this side
+        # (a connect its kernel accepted): then the first collective fails instead
+        stage = "collective"
+        dist.all_reduce(torch.ones(1))
         result: dict[str, object] = {"type": None, "peer_failure": False, "message": ""}
     except Exception as exc:
         result = _report(exc)
@@ -84,6 +89,7 @@ def _formation(live: LiveWorld, a: control.Assignment, out: Path) -> None:
         result["cause"] = (
             None if cause is None else f"{type(cause).__module__}.{type(cause).__qualname__}"
         )
+    result["stage"] = stage
     (out / "result.json").write_text(json.dumps(result))
 
 

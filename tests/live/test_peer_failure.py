@@ -107,7 +107,9 @@ def test_a_collective_timed_out_on_a_silent_peer_is_a_peer_failure(tmp_path: Pat
 @pytest.mark.slow  # waits out gloo's connect timeout
 def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path) -> None:
     """Rank 0 publishes its gloo address and dies: gloo's connectFullMesh raises a plain
-    RuntimeError ("Connect timeout"); LiveWorld._join raises it as PeerLostError."""
+    RuntimeError ("Connect timeout"); LiveWorld._join raises it as PeerLostError. (Now
+    and then gloo completes the connect its kernel accepted before the death: the first
+    collective then fails, a peer failure as well.)"""
     port = free_port()
     master = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True
@@ -123,10 +125,13 @@ def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path
             p.wait()
         del master
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["type"] == "slurm_elastic.errors.PeerLostError", result
-    assert result["cause"] == "builtins.RuntimeError", result  # what torch raised
-    assert result["peer_failure"] is True
-    assert "did not form" in str(result["message"])
+    assert result["peer_failure"] is True, result
+    if result["stage"] == "join":  # usually: connectFullMesh's "Connect timeout"
+        assert result["type"] == "slurm_elastic.errors.PeerLostError", result
+        assert result["cause"] == "builtins.RuntimeError", result  # what torch raised
+        assert "did not form" in str(result["message"])
+    else:  # gloo finished connecting before the death reached it: the collective fails
+        assert result["type"] == "builtins.RuntimeError", result
 
 
 def test_a_bug_on_an_intact_group_is_not_a_peer_failure(tmp_path: Path) -> None:
