@@ -63,7 +63,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from slurm_elastic.envvars import HEARTBEAT_FILE_ENV, NOTICE_FILE_ENV, PREEMPT_SIGNAL_ENV
-from slurm_elastic.errors import ConfigError
+from slurm_elastic.errors import ConfigError, UnsafeFileError
 from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.signals import DEFAULT_PREEMPT_SIGNAL, parse_signal
 
@@ -483,10 +483,6 @@ def clear_notice(path: str | os.PathLike[str]) -> None:
 # progress heartbeat
 
 
-class _NotRegularFile(OSError):
-    """Something other than a regular file holds the heartbeat's name."""
-
-
 def _open_heartbeat(path: str) -> int:
     # O_NONBLOCK: opening a FIFO for writing fails (ENXIO) instead of waiting for a
     # reader; O_NOFOLLOW: a link at the name is not ours (the launcher creates a file).
@@ -494,7 +490,7 @@ def _open_heartbeat(path: str) -> int:
     fd = os.open(path, flags, 0o600)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)  # a FIFO that has a reader: never write progress into a pipe
-        raise _NotRegularFile(f"{path} is not a regular file")
+        raise UnsafeFileError(f"{path} is not a regular file")
     return fd
 
 
@@ -559,9 +555,9 @@ def report_progress(
     with _writer_lock:
         try:
             return _writer.write(target, int(step), force)
-        except OSError as exc:
+        except (OSError, UnsafeFileError) as exc:
             # a full or vanished disk must not kill training; the watchdog will notice
-            if isinstance(exc, _NotRegularFile) or exc.errno in (
+            if isinstance(exc, UnsafeFileError) or exc.errno in (
                 errno.ELOOP,
                 errno.ENXIO,
                 errno.EISDIR,

@@ -62,8 +62,9 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from slurm_elastic import _startup_seam, events, notice
-from slurm_elastic.agent.round_store import RoundBoundStore, RoundBrokenError
+from slurm_elastic.agent.round_store import RoundBoundStore
 from slurm_elastic.agent.watchdog import ProgressWatch
+from slurm_elastic.errors import RoundLostError
 from slurm_elastic.live import control
 from slurm_elastic.rendezvous.protocols import RoundReporting, RoundWatching, SeatKeeping
 
@@ -149,7 +150,7 @@ class SlurmElasticAgent(LocalElasticAgent):
                 super()._rendezvous(worker_group)
                 _startup_seam.pause("rendezvous")  # tests only: a notice in a formed round
                 return
-            except RoundBrokenError as exc:
+            except RoundLostError as exc:
                 log.warning(
                     "rendezvous round broken during rank assignment (%s): joining again", exc
                 )

@@ -7,8 +7,8 @@ completion and its write is waited for until the store times out (120 s by defau
 after which the agent fails. :class:`RoundBoundStore` replaces those blocking reads by
 short polls that also ask the rendezvous whether the round is still whole
 (:class:`~slurm_elastic.rendezvous.protocols.RoundWatching`); when it is not, or when
-the store's host is gone, :class:`RoundBrokenError` tells the agent to join the next
-round instead.
+the store's host is gone, :class:`~slurm_elastic.errors.RoundLostError` (the error the
+rendezvous raises for the same fact) tells the agent to join the next round instead.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RoundBoundStore", "RoundBrokenError"]
+from slurm_elastic.errors import RoundBrokenError, RoundLostError
+
+# RoundBrokenError: the former name of RoundLostError, re-exported for old imports.
+__all__ = ["RoundBoundStore", "RoundBrokenError", "RoundLostError"]
 
 _POLL_START_S = 0.005
 _POLL_CAP_S = 0.1
 _ASK_EVERY_S = 0.5
-
-
-class RoundBrokenError(Exception):
-    """The round lost a member (or its store's host) before ranks were assigned."""
 
 
 class RoundBoundStore:
@@ -79,7 +78,7 @@ class RoundBoundStore:
                 return  # the read below times out as torch's does
             if now >= next_ask:
                 if self._round_lost():
-                    raise RoundBrokenError(
+                    raise RoundLostError(
                         "the round lost a member before every node wrote its rank info"
                     )
                 next_ask = now + self._ask_every_s
@@ -91,4 +90,4 @@ class RoundBoundStore:
             return fn(*args)
         except dist.DistNetworkError as exc:
             # The round's store lives on its rank 0 node: that node is gone.
-            raise RoundBrokenError(f"the round's store is unreachable: {exc}") from exc
+            raise RoundLostError(f"the round's store is unreachable: {exc}") from exc

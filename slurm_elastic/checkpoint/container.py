@@ -20,8 +20,8 @@ lists, dicts with non-``str`` keys)::
     {"v": "cuda:0"}  torch.device
 
 ``None``, ``bool``, ``int``, ``float`` (NaN/inf included) and ``str`` are themselves.
-Anything else raises :class:`Unsupported` (the serializer then falls back to
-``torch.save``). Tensors that are the same view of the same memory are stored once (tied
+Anything else raises :class:`~slurm_elastic.errors.UnsupportedStateError` (the serializer
+then falls back to ``torch.save``). Tensors that are the same view of the same memory are stored once (tied
 weights stay tied); other storage sharing is not preserved (each view is stored
 contiguous).
 
@@ -62,13 +62,14 @@ import torch
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import crc32, crc32_mapping
 from slurm_elastic.checkpoint.trust import CheckedDir, open_data_file, read_error
-from slurm_elastic.errors import CheckpointCorruptError
+from slurm_elastic.errors import CheckpointCorruptError, UnsupportedStateError
 
 __all__ = [
     "DTYPES",
     "MAGIC",
     "Parsed",
     "Unsupported",
+    "UnsupportedStateError",
     "check_records",
     "decode_tree",
     "encode",
@@ -119,8 +120,8 @@ _DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "privateuseone"})
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-class Unsupported(TypeError):
-    """The state holds a value this format does not store (the caller uses torch.save)."""
+#: The former name of :class:`~slurm_elastic.errors.UnsupportedStateError`.
+Unsupported = UnsupportedStateError
 
 
 def _align(n: int, a: int) -> int:
@@ -136,9 +137,9 @@ class _Encoder:
 
     def tensor(self, t: torch.Tensor, where: str) -> int:
         if type(t) not in _PLAIN_TENSOR_TYPES or t.layout != torch.strided:
-            raise Unsupported(f"{where}: a {type(t).__name__} with layout {t.layout}")
+            raise UnsupportedStateError(f"{where}: a {type(t).__name__} with layout {t.layout}")
         if t.is_quantized or t.dtype not in _NAME_OF_DTYPE or t.device.type not in _DEVICE_TYPES:
-            raise Unsupported(f"{where}: a tensor of dtype {t.dtype} on {t.device}")
+            raise UnsupportedStateError(f"{where}: a tensor of dtype {t.dtype} on {t.device}")
         key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.data_ptr() != 0 and key in self._ids:
             return self._ids[key]
@@ -154,7 +155,7 @@ class _Encoder:
         try:
             raw = data.reshape(-1).view(torch.uint8)
         except RuntimeError as exc:
-            raise Unsupported(f"{where}: a tensor of dtype {t.dtype} ({exc})") from exc
+            raise UnsupportedStateError(f"{where}: a tensor of dtype {t.dtype} ({exc})") from exc
         self.offset = _align(self.offset, _ALIGN)
         self.records.append(
             {
@@ -196,11 +197,11 @@ class _Encoder:
             return {"c": [obj.real, obj.imag]}
         if kind is torch.dtype:
             if obj not in _NAME_OF_DTYPE:
-                raise Unsupported(f"{where}: the dtype {obj}")
+                raise UnsupportedStateError(f"{where}: the dtype {obj}")
             return {"y": _NAME_OF_DTYPE[obj]}
         if kind is torch.device:
             return {"v": str(obj)}
-        raise Unsupported(f"{where}: a {kind.__module__}.{kind.__qualname__}")
+        raise UnsupportedStateError(f"{where}: a {kind.__module__}.{kind.__qualname__}")
 
 
 def encode_tree(state: Any) -> tuple[Any, list[dict[str, Any]], list[torch.Tensor]]:
@@ -210,7 +211,7 @@ def encode_tree(state: Any) -> tuple[Any, list[dict[str, Any]], list[torch.Tenso
     ``uint8`` CPU tensor.
 
     Raises:
-        Unsupported: ``state`` holds a value this format does not store.
+        UnsupportedStateError: ``state`` holds a value this format does not store.
     """
     enc = _Encoder()
     tree = enc.tree(state, "state")
@@ -222,7 +223,7 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     after them (flat ``uint8`` views of the tensors' memory, no copy for CPU tensors).
 
     Raises:
-        Unsupported: ``state`` holds a value this format does not store.
+        UnsupportedStateError: ``state`` holds a value this format does not store.
     """
     tree, records, tensors = encode_tree(state)
     body: dict[str, Any] = {"tree": tree, "tensors": records, "data_start": 0}

@@ -30,12 +30,11 @@ import torch
 import torch.distributed as dist
 
 from slurm_elastic.checkpoint.container import (
-    Unsupported,
     check_records,
     decode_tree,
     encode_tree,
 )
-from slurm_elastic.errors import CheckpointCorruptError, StateExchangeError
+from slurm_elastic.errors import CheckpointCorruptError, StateExchangeError, UnsupportedStateError
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -74,7 +73,7 @@ def _encode(value: Any) -> tuple[bytes, torch.Tensor]:
     """``(header, data)``: the JSON header and every tensor's bytes in one uint8 tensor."""
     try:
         tree, records, tensors = encode_tree(value)
-    except Unsupported as exc:
+    except UnsupportedStateError as exc:
         raise StateExchangeError(f"cannot send this value without pickle: {exc}") from exc
     size = max((r["offset"] + r["nbytes"] for r in records), default=0)
     data = torch.empty(size, dtype=torch.uint8)

@@ -19,13 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic.checkpoint.staging import HostStager, StagingRound, remove_idle_guards, retire
-from slurm_elastic.errors import CheckpointError
+from slurm_elastic.errors import CheckpointFlushTimeout
 
 __all__ = ["AsyncSaver", "CheckpointFlushTimeout"]
-
-
-class CheckpointFlushTimeout(CheckpointError, TimeoutError):
-    """:meth:`CheckpointManager.flush` gave up waiting; the save is still in flight."""
 
 
 class AsyncSaver:

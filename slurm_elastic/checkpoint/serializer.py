@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -35,7 +36,6 @@ import torch
 
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.container import (
-    Unsupported,
     decode_tree,
     encode,
     read_container,
@@ -49,7 +49,12 @@ from slurm_elastic.checkpoint.trust import (
     open_data_file,
     read_error,
 )
-from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from slurm_elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    UnsupportedStateError,
+)
 
 __all__ = [
     "STATE_FILE",
@@ -175,7 +180,7 @@ def write_state(state: Any, directory: Path) -> FileRecord:
 
     try:
         encoded: tuple[bytes, list[torch.Tensor]] | None = encode(state)
-    except Unsupported as exc:
+    except UnsupportedStateError as exc:
         log.debug("state holds %s; writing it with torch.save", exc)
         encoded = None
     if encoded is None:
@@ -315,7 +320,10 @@ def _torch_load(
     except (OSError, MemoryError) as exc:
         raise read_error(exc, f"checkpoint file {path}") from exc
     except Exception as exc:
-        if weights_only and "weights_only" in str(exc):
+        # torch.load(weights_only=True) refuses a global outside its allowlist with
+        # pickle.UnpicklingError (torch 2.13 and 2.14.1); the bytes are the ones written
+        # (size and CRC32 checked), so with weights_only that is what it means.
+        if weights_only and isinstance(exc, pickle.UnpicklingError):
             raise CheckpointError(
                 f"checkpoint {path.parent} holds objects outside torch's weights-only "
                 "allowlist; pass weights_only=False to CheckpointManager if you trust "

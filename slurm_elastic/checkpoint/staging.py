@@ -53,7 +53,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from slurm_elastic.checkpoint import _faults
-from slurm_elastic.errors import CheckpointWriteError
+from slurm_elastic.errors import CheckpointWriteError, StagingConflict
 
 __all__ = [
     "HostStager",
@@ -67,10 +67,6 @@ __all__ = [
 _Path = tuple[tuple[str, type, Any], ...]
 _CHUNK_BYTES = 16 << 20
 _PENDING, _RUNNING, _DONE = 0, 1, 2
-
-
-class StagingConflict(CheckpointWriteError):
-    """A state tensor changed in place while it was being staged; nothing was written."""
 
 
 def state_nbytes(state: Any) -> int:

@@ -46,6 +46,7 @@ from slurm_elastic.errors import (
     CheckpointReadError,
     ForeignRunError,
     UnsafeDirectoryError,
+    UntrustedCheckpointError,
 )
 from slurm_elastic.privatefs import ensure_private_dir
 
@@ -65,10 +66,6 @@ __all__ = [
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted where a file should be must not block the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class UntrustedCheckpointError(CheckpointError):
-    """A checkpoint path is owned by another user or writable by others: never read."""
 
 
 _HINTS = {

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slurm_elastic import events
-from slurm_elastic.errors import SlurmElasticError, SlurmError
+from slurm_elastic.errors import RunNotFoundError, SlurmError
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.parse import parse_scontrol_show_job
 
@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 
 _JOB_REF = re.compile(r"^(?P<job>[0-9]+)(?:_(?P<task>[0-9]+|\[[0-9,\-%]+\]))?$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class RunNotFoundError(SlurmElasticError):
-    """``JOB`` names no run this user can read."""
 
 
 @dataclass(frozen=True)

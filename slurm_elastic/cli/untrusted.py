@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from slurm_elastic.errors import SlurmElasticError
+from slurm_elastic.errors import UnsafeFileError
 
 __all__ = ["UnsafeFileError", "open_inside", "printable", "warn"]
 
@@ -48,10 +48,6 @@ _KINDS = {
 }
 
 _warned: set[str] = set()
-
-
-class UnsafeFileError(SlurmElasticError):
-    """A file of a run directory that the CLI will not read (the message says why)."""
 
 
 def _escape(match: re.Match[str]) -> str:

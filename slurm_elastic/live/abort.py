@@ -48,12 +48,20 @@ from pathlib import Path
 from slurm_elastic import events
 from slurm_elastic.live import control
 
-__all__ = ["StallGuard", "connected_sockets", "shut_down_sockets"]
+__all__ = [
+    "StallGuard",
+    "connected_sockets",
+    "connection_lost",
+    "shut_down_sockets",
+    "tcp_connections",
+]
 
 log = logging.getLogger(__name__)
 
 # Step durations remembered for the stall threshold.
 _RECENT_STEPS = 32
+# tcpi_state of an established connection (linux/tcp_states.h: TCP_ESTABLISHED).
+_TCP_ESTABLISHED = 1
 
 
 def _socket_fds() -> dict[int, int]:
@@ -76,6 +84,40 @@ def _socket_fds() -> dict[int, int]:
 def connected_sockets() -> frozenset[int]:
     """The inodes of this process's sockets (compare before and after a group forms)."""
     return frozenset(_socket_fds())
+
+
+def _tcp_state(fd: int) -> int | None:
+    """The TCP state of the socket open at ``fd``; ``None`` for any other socket."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except OSError:
+        return None
+    finally:
+        sock.close()  # the duplicate only
+
+
+def tcp_connections(inodes: frozenset[int]) -> frozenset[int]:
+    """The established TCP connections among ``inodes`` (a group's pairs: listeners and
+    other sockets are left out)."""
+    return frozenset(
+        inode
+        for inode, fd in _socket_fds().items()
+        if inode in inodes and _tcp_state(fd) == _TCP_ESTABLISHED
+    )
+
+
+def connection_lost(inodes: frozenset[int]) -> bool:
+    """Whether one of the connections ``inodes`` (from :func:`tcp_connections`) is closed
+    or no longer established: its peer closed or reset it, or its owner (gloo, after a
+    failed or timed-out operation) closed it, or this process shut it down."""
+    fds = _socket_fds()
+    return any(inode not in fds or _tcp_state(fds[inode]) != _TCP_ESTABLISHED for inode in inodes)
 
 
 def shut_down_sockets(inodes: frozenset[int]) -> int:

@@ -246,7 +246,9 @@ class SealedStore(dist.Store):
                 return value
             self._warn(key)
             if time.monotonic() >= deadline:
-                raise RuntimeError(
+                # torch's own type for a store wait that timed out (a subclass of
+                # RuntimeError), so the loop treats it as any store timeout: a peer lost
+                raise dist.DistStoreError(
                     f"the round's store holds no value at {key!r} sealed with this run's key "
                     f"within {self._timeout.total_seconds():.0f} s: another user writes into "
                     "the store (denial of service), or the nodes do not share the run's key "

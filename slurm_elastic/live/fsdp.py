@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from slurm_elastic.checkpoint import exchange
-from slurm_elastic.errors import SlurmElasticError, StateExchangeError
+from slurm_elastic.errors import ShardsLostError, StateExchangeError
 
 __all__ = [
     "STATE_KEY",
@@ -58,10 +58,6 @@ log = logging.getLogger(__name__)
 
 STATE_KEY = "_fsdp"
 """The name the sharded state is registered under in the session's ``stateful``."""
-
-
-class ShardsLostError(SlurmElasticError):
-    """A peer's shards are gone and no full copy newer than the last step exists."""
 
 
 @dataclass(frozen=True)

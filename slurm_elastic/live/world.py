@@ -37,8 +37,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
+from slurm_elastic.errors import PeerLostError, ReformTimeoutError
 from slurm_elastic.live import auth, control
-from slurm_elastic.live.abort import StallGuard, connected_sockets
+from slurm_elastic.live.abort import (
+    StallGuard,
+    connected_sockets,
+    connection_lost,
+    tcp_connections,
+)
 from slurm_elastic.live.fsdp import ShardedModel
 from slurm_elastic.live.state import ElasticState
 
@@ -46,31 +52,50 @@ __all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
-_FAILURE_WORDS = (
-    "Connection reset",
-    "Connection closed",
-    "Connection refused",
-    "Broken pipe",
-    "Timed out",
-    "timed out",
-    "Gloo",
-    "gloo",
-    "NCCL",
-    "connectFullMesh",
-    "ProcessGroup",
-    "Socket",
-)
+
+@dataclass
+class _GroupLinks:
+    """The TCP connections of this process's current gloo group (its pairs).
+
+    One per process, as the process group is: :class:`LiveWorld` records them when a group
+    forms (and after it wraps the model: an HSDP mesh adds subgroups) and forgets them
+    when the group goes; :func:`is_peer_failure` reads them.
+    """
+
+    connections: frozenset[int] = frozenset()
 
 
-class ReformTimeoutError(RuntimeError):
-    """No new round arrived in time after a peer failed: fall back to a restart."""
+_links = _GroupLinks()
+
+
+def _is_gloo(backend: str) -> bool:
+    return "gloo" in backend.lower()
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a failed collective (a peer gone), not a bug."""
-    if isinstance(exc, dist.DistError):
+    """Whether ``exc`` is a failed collective or store (a peer gone), not a bug.
+
+    By the exception's type, never its message:
+
+    * torch's ``DistError`` family: ``DistNetworkError`` (a store connection failed: the
+      store's host is gone, or a connect timed out), ``DistStoreError`` (a store wait
+      timed out: a peer never wrote its key, e.g. its gloo address during
+      ``init_process_group``), ``DistBackendError`` (NCCL's errors);
+    * :class:`~slurm_elastic.errors.PeerLostError` (:meth:`LiveWorld._join`: a gloo group
+      that could not form);
+    * a plain ``RuntimeError`` (exactly that type, no subclass) while a connection of the
+      current gloo group is lost. torch 2.13 and 2.14.1 raise gloo's transport errors as
+      plain ``RuntimeError`` from ``Work.wait()`` (``dist.all_reduce``/``broadcast``/
+      ``all_gather``/``barrier``, and DDP's reducer inside ``loss.backward()``): a peer
+      that died ("Connection closed by peer", "Connection reset by peer") and an
+      operation that timed out ("Timed out waiting ... for recv"). That is the type a
+      shape mismatch has too; what tells them apart is the transport: gloo closes the
+      pair of a failed operation before it raises (measured for all three in
+      ``tests/live/test_peer_failure.py``), a bug leaves every connection established.
+    """
+    if isinstance(exc, (dist.DistError, PeerLostError)):
         return True
-    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _FAILURE_WORDS)
+    return type(exc) is RuntimeError and connection_lost(_links.connections)
 
 
 @dataclass
@@ -127,6 +152,7 @@ class LiveWorld:
         self._watch: control.AssignmentWatch | None = None
         self._pending: _Pending | None = None
         self._store: Any = None  # the current group's store (see _join)
+        self._group_sockets: frozenset[int] = frozenset()  # this process's, before the group
         self._failed_rounds: set[int] = set()
         # gloo cannot abort a collective that waits on a silently dead peer; the guard
         # ends it once the agent assigns a round without that peer (live/abort.py).
@@ -189,7 +215,9 @@ class LiveWorld:
         survivors receives it); otherwise torch's ``env://``.
         """
         if not self.in_place:
+            self._group_sockets = connected_sockets()
             dist.init_process_group(self.backend, timeout=self.timeout)
+            self._record_links()
             return False
         first = control.Assignment.from_environ()
         if first is None:  # checked by the caller; the environment changed since
@@ -264,18 +292,33 @@ class LiveWorld:
         return store
 
     def _join(self, a: control.Assignment, store: Any) -> None:
-        before = connected_sockets() if self._guard is not None else frozenset()
+        before = self._group_sockets = connected_sockets()
         # Keep the Python store alive as long as the group: torch holds only its C++
         # half, so a later new_group (an HSDP mesh's subgroups) would call a store whose
         # Python methods are gone ("Not implemented" from PythonStore::set).
         self._store = store
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore("pg", store),
-            rank=a.rank,
-            world_size=a.world_size,
-            timeout=self.timeout,
-        )
+        try:
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore("pg", store),
+                rank=a.rank,
+                world_size=a.world_size,
+                timeout=self.timeout,
+            )
+        except RuntimeError as exc:
+            # init_process_group -> ProcessGroupGloo's constructor -> connectFullMesh
+            # raises a plain RuntimeError ("Gloo connectFullMesh failed with ... Connect
+            # timeout"; torch 2.13 and 2.14.1, tests/live/test_peer_failure.py) when a
+            # peer that published its address is gone; a peer that never published it
+            # is a DistStoreError already. Plain RuntimeError only: its subclasses
+            # (torch's DistError family included) pass unchanged.
+            if type(exc) is not RuntimeError or not _is_gloo(self.backend):
+                raise
+            raise PeerLostError(
+                f"the gloo group of round {a.round} ({a.world_size} ranks) did not form: "
+                f"{exc}; a peer is gone, waiting for the next round"
+            ) from exc
+        self._record_links()
         if self._guard is not None:  # the group's own connections: gloo's pairs
             self._guard.arm(a.round, connected_sockets() - before)
         self.round = a.round
@@ -297,6 +340,7 @@ class LiveWorld:
             dist.destroy_process_group()
         del group, held
         self._store = None
+        _links.connections = frozenset()
 
     def beat(self) -> None:
         """A step boundary passed on the current group (for the stall guard)."""
@@ -314,8 +358,14 @@ class LiveWorld:
         shard it on a new mesh (FSDP2/HSDP: :mod:`~slurm_elastic.live.fsdp`)."""
         if self.sharding is not None:
             self._ddp = self.sharding.shard(self.device().type, self.world_size)
+            self._record_links()  # the mesh's subgroups have pairs of their own
             return
         self._ddp = DistributedDataParallel(self.state.model, **self.ddp_kwargs)
+
+    def _record_links(self) -> None:
+        """Record the current gloo group's connections (see :func:`is_peer_failure`)."""
+        if _is_gloo(self.backend):
+            _links.connections = tcp_connections(connected_sockets() - self._group_sockets)
 
     def sync_state(self) -> bool:
         """Collective: all ranks take the newest commit; False if nobody has one."""

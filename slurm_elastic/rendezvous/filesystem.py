@@ -41,13 +41,9 @@ import weakref
 from collections import Counter
 from pathlib import Path
 
-from slurm_elastic.errors import RendezvousSetupError
+from slurm_elastic.errors import MissingDirectoryError, RendezvousSetupError
 
 __all__ = ["FS_OPS", "FsOps", "MissingDirectoryError", "SafeDir", "open_nofollow"]
-
-
-class MissingDirectoryError(RendezvousSetupError):
-    """A directory that must exist (``create=False``) does not."""
 
 
 class FsOps:

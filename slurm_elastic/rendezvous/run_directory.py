@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from slurm_elastic.errors import RendezvousSetupError
+from slurm_elastic.errors import RunIdInUseError
 from slurm_elastic.rendezvous.backend import FileRendezvousBackend, init_state_dir
 from slurm_elastic.rendezvous.filesystem import SafeDir
 from slurm_elastic.rendezvous.state import decode_state
@@ -118,10 +118,6 @@ class Incarnation:
             derived_key = f"local-{uuid.uuid4().hex}"
             recorded = key is not None
         return cls(generation or derived_gen, key or derived_key, job, recorded)
-
-
-class RunIdInUseError(RendezvousSetupError):
-    """The run id is used by another live job (its epoch is open and changing)."""
 
 
 class Epoch:

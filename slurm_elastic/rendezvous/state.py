@@ -37,6 +37,8 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
+from slurm_elastic.errors import SlurmElasticError
+
 __all__ = [
     "HEADER_BYTES",
     "PARTICIPANTS",
@@ -65,7 +67,9 @@ _ADDR = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,255}")
 _MAX_INT = (1 << 63) - 1
 
 
-class MalformedRecordError(RendezvousStateError):
+# Defined here, not in errors.py, because its second base is torch's: torch's agent and
+# backend API know RendezvousStateError, and errors.py imports nothing (no torch).
+class MalformedRecordError(SlurmElasticError, RendezvousStateError):
     """A state record failed a check (format, checksum, field types or order)."""
 
 

@@ -17,21 +17,13 @@ import warnings
 
 import torch
 
-from slurm_elastic.errors import SlurmElasticError
+from slurm_elastic.errors import UnsupportedTorchError, UntestedTorchWarning
 
 __all__ = ["SUPPORTED_TORCH", "UnsupportedTorchError", "UntestedTorchWarning",
            "check_torch_version"]  # fmt: skip
 
 #: The tested torch range: ``low <= (major, minor) < high``.
 SUPPORTED_TORCH = ((2, 13), (2, 15))
-
-
-class UnsupportedTorchError(SlurmElasticError, ImportError):
-    """The installed torch is older than the range this package supports."""
-
-
-class UntestedTorchWarning(UserWarning):
-    """The installed torch is newer than the versions this package was tested with."""
 
 
 def check_torch_version(version: str) -> tuple[int, int]:

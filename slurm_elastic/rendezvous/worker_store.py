@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from slurm_elastic.errors import RendezvousSetupError
+from slurm_elastic.errors import RendezvousSetupError, RoundLostError
 from slurm_elastic.rendezvous.run_directory import Epoch
 
 __all__ = ["RoundLostError", "WorkerStoreOwner", "interface_address", "resolve_local_addr"]
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 
 _SIOCGIFADDR = 0x8915
 _CONNECT_SPREAD_S = 0.01
-
-
-class RoundLostError(Exception):
-    """The round changed (e.g. its rank 0 died) while its store was being set up."""
 
 
 def interface_address(interface: str) -> str:

@@ -32,6 +32,7 @@ from slurm_elastic.errors import (
     SlurmCommandError,
     SlurmCommandNotFoundError,
     SlurmControllerError,
+    SlurmJobNotFoundError,
 )
 from slurm_elastic.slurm.jobstate import JobInfo, JobState
 from slurm_elastic.slurm.parse import (
@@ -76,10 +77,6 @@ _INSTALL_HINT = (
     "load them ('module load slurm'), or start the local test cluster with "
     "'scripts/slurm-cluster up' and 'source /var/tmp/slurm-elastic-cluster/env'"
 )
-
-
-class SlurmJobNotFoundError(SlurmCommandError):
-    """Slurm does not know the job (never existed, or purged after ``MinJobAge``)."""
 
 
 def run_subprocess(

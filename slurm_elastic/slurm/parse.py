@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from slurm_elastic.errors import SlurmError
+from slurm_elastic.errors import SlurmParseError
 from slurm_elastic.slurm.jobstate import JobInfo, job_state_from_slurm
 
 __all__ = [
@@ -40,10 +40,6 @@ __all__ = [
     "parse_scontrol_show_job",
     "parse_squeue",
 ]
-
-
-class SlurmParseError(SlurmError, ValueError):
-    """A Slurm command printed something this package cannot read."""
 
 
 #: squeue fields, in order: job or task id, own job id, array job id, array task id,

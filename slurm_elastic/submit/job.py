@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from slurm_elastic.errors import SlurmElasticError, SlurmError
+from slurm_elastic.errors import JobFailedError, JobTimeoutError, SlurmError
 from slurm_elastic.exit_codes import is_run_ok
 from slurm_elastic.slurm.control import SlurmControl
 from slurm_elastic.slurm.jobstate import JobInfo
@@ -37,14 +37,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class JobTimeoutError(SlurmElasticError, TimeoutError):
-    """A job did not finish before the deadline given to :meth:`JobHandle.wait`."""
-
-
-class JobFailedError(SlurmElasticError):
-    """A job finished in another state than ``COMPLETED`` (:meth:`JobHandle.result`)."""
 
 
 class JobState(str, enum.Enum):

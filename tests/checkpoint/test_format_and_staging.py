@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from slurm_elastic.checkpoint.manager import CheckpointManager
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
 from slurm_elastic.checkpoint.serializer import STATE_FILE, TORCH_FILE
 from slurm_elastic.checkpoint.staging import StagingConflict
-from slurm_elastic.errors import CheckpointWriteError
+from slurm_elastic.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
 from tests.helpers import wait_for
 
 
@@ -157,6 +158,16 @@ def test_a_state_the_format_cannot_hold_falls_back_to_torch_save(tmp_path: Path)
     assert (tmp_path / "step_1" / TORCH_FILE).exists()
     loaded = mgr.load(1).state
     assert loaded["obj"].x == 7 and torch.equal(loaded["w"], torch.ones(2))
+
+
+def test_a_pickled_object_outside_the_weights_only_allowlist_says_so(tmp_path: Path) -> None:
+    """torch.load refuses it with pickle.UnpicklingError: the type, not the message, tells
+    this (the bytes verified) from a file this node cannot read."""
+    CheckpointManager(tmp_path, weights_only=False).save({"obj": Opaque(7)}, 1)
+    with pytest.raises(CheckpointError, match="weights-only allowlist") as caught:
+        CheckpointManager(tmp_path).load(1)
+    assert not isinstance(caught.value, CheckpointReadError)
+    assert isinstance(caught.value.__cause__, pickle.UnpicklingError)
 
 
 def test_checkpoints_of_the_previous_format_still_load(tmp_path: Path) -> None:

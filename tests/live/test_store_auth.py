@@ -131,7 +131,7 @@ def test_a_value_that_does_not_open_is_waited_past_then_a_clear_timeout() -> Non
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     store = auth.SealedStore(master, auth.round_key(os.urandom(32), 1), timedelta(seconds=0.5))
     master.set("x", b"not sealed")
-    with pytest.raises(RuntimeError, match="no value at 'x' sealed with this run's key"):
+    with pytest.raises(dist.DistStoreError, match="no value at 'x' sealed with this run's key"):
         store.get("x")
     assert store.opened("x") is None
     store.set("x", b"real")

@@ -77,11 +77,14 @@ def test_restore_rolls_back_and_commit_is_not_aliased_by_the_optimizer() -> None
     assert model.weight.data_ptr() == ptr  # same Parameter storage: optimizer stays valid
 
 
-def test_peer_failures_are_told_from_bugs() -> None:
-    assert is_peer_failure(RuntimeError("[gloo] Connection reset by peer"))
+def test_peer_failures_are_told_from_bugs_by_type() -> None:
+    # real killed peers and timeouts: tests/live/test_peer_failure.py
     assert is_peer_failure(torch.distributed.DistNetworkError("x"))
+    assert is_peer_failure(torch.distributed.DistStoreError("x"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("Connection reset"))
+    # no gloo group here: the words of a gloo error do not make one a peer failure
+    assert not is_peer_failure(RuntimeError("[gloo] Connection reset by peer"))
 
 
 def test_watchdog_ignores_a_wall_clock_step(tmp_path: Path) -> None:
