@@ -170,7 +170,9 @@ def submit(
             the template's ``launcher`` (``slurm-elastic`` on the job's ``PATH``; sbatch
             passes the submitting environment), so the script is byte for byte what
             ``slurm-elastic render`` prints for the same values.
-        client: Slurm jobs: the Slurm seam to poll (default ``SlurmClient()``).
+        client: Slurm jobs: the Slurm seam that submits and polls (default
+            ``SlurmClient()``). The job starts with sbatch's environment: this process's,
+            or the client's ``env`` when it was given one.
         **values: config keys (``nnodes="1:4"``, ``max_restarts=3``, ...) and template
             keys (``partition``, ``time``, ``setup``, ``output_dir``, ...), as in
             ``slurm-elastic render``.

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,12 +39,15 @@ def test_status_logs_timeline_of_a_slurm_array_run_by_job_id(
         ],
         cluster="slurm",
         client=slurm_cluster.client,
+        python=sys.executable,  # the agents' launcher: this venv, whatever PATH says
         mode="elastic_array",
         nnodes="2:2",
         nproc_per_node=1,
         output_dir=str(tmp_path / "logs"),
         state_dir=str(tmp_path / "state"),
-        env={"OMP_NUM_THREADS": "1"},
+        # The job's environment is the Slurm client's (sbatch's), not this test's: the
+        # per-test run index (tests/cli/conftest.py) is handed to the agents explicitly.
+        env={"OMP_NUM_THREADS": "1", "XDG_STATE_HOME": os.environ["XDG_STATE_HOME"]},
         exclusive=True,
         last_call_timeout_s=2,
         join_timeout_s=240,
