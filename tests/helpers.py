@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slurm_elastic import ledger
+from slurm_elastic.submit import processes
 
 T = TypeVar("T")
 
@@ -98,22 +99,8 @@ def second_user() -> Iterator[Other]:
 
 
 def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants alive now (from ``/proc``), parents first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        out.append(pid)
-        todo += sorted(children.get(pid, []))
-    return out
+    """``root`` and all its descendants alive now (``slurm_elastic.submit.processes``)."""
+    return [root, *sorted(pid for pid, _ in processes.descendants([root]))]
 
 
 def survives_signal(pid: int, signum: int) -> bool | None:
