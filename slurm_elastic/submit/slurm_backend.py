@@ -28,6 +28,7 @@ same job file.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ from slurm_elastic.submit.request import JobRequest
 __all__ = ["SlurmSubmission", "log_paths", "plan", "sbatch_text", "send", "submit_slurm"]
 
 log = logging.getLogger(__name__)
+
+_SBATCH_LINE = re.compile(r"^#SBATCH --([\w-]+)=(.*)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -81,14 +84,14 @@ def sbatch_text(request: JobRequest, python: str | None = None) -> str:
 
 
 def log_paths(submission: SlurmSubmission, job_id: str) -> list[Path]:
-    """Where Slurm writes the job's output (the templates' ``--output`` patterns)."""
-    resolved = render.template_values(submission.request.mode, submission.values)
-    prefix, name = str(resolved["output_prefix"]), str(resolved["job_name"])
-    if submission.request.mode == "elastic_array":
-        names = [f"{name}-{job_id}_{i}.out" for i in range(submission.request.max_nodes)]
-    else:
-        names = [f"{name}-{job_id}.out"]
-    return [Path(prefix + n).absolute() for n in names]
+    """Where Slurm writes the job's output: the script's ``--output`` pattern, expanded as
+    Slurm does (``%x`` job name, ``%j``/``%A`` job id, ``%a`` task), from the submit
+    directory."""
+    options = dict(_SBATCH_LINE.findall(submission.text))
+    pattern = options.get("output", "slurm-%j.out").replace("%x", options.get("job-name", ""))
+    pattern = pattern.replace("%j", job_id).replace("%A", job_id)
+    tasks = range(submission.request.max_nodes) if "%a" in pattern else [None]
+    return [Path(pattern.replace("%a", str(t))).absolute() for t in tasks]
 
 
 def send(submission: SlurmSubmission, client: SlurmControl | None = None) -> SlurmJob:

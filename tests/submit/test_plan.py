@@ -193,3 +193,15 @@ def test_cli_render_and_submit_dry_run_through_main(
     rendered = capsys.readouterr().out
     assert main(["submit", str(cfg), "--cluster", "slurm", "--dry-run"]) == 0
     assert capsys.readouterr().out == rendered  # one generator: the same script
+
+
+def test_log_paths_are_the_scripts_output_pattern_expanded(tmp_path: Path) -> None:
+    from slurm_elastic.submit import slurm_backend
+
+    array = build_request({"entrypoint": "t.py", "nnodes": "1:3", "job_name": "j"})
+    paths = slurm_backend.log_paths(slurm_backend.plan(array), "42")
+    assert paths == [Path.cwd() / f"j-42_{i}.out" for i in range(3)]
+    one = build_request({"entrypoint": "t.py", "output_dir": str(tmp_path)}, mode="elastic")
+    assert slurm_backend.log_paths(slurm_backend.plan(one), "7") == [
+        tmp_path / "slurm-elastic-7.out"
+    ]
