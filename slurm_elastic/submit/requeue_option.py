@@ -10,6 +10,7 @@ after a node failure is eligible to restart at once, at top priority). The templ
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from slurm_elastic.errors import ConfigError, SlurmError
@@ -21,8 +22,10 @@ __all__ = ["VersionProbe", "installed_slurm_version", "requeue_option"]
 VersionProbe = Callable[[], "SlurmVersion | None"]
 
 
+@functools.cache
 def installed_slurm_version() -> SlurmVersion:
-    """The version of the Slurm on this machine (``sbatch --version``).
+    """The version of the Slurm on this machine (``sbatch --version``), asked once per
+    process (a request and the script it renders both need it).
 
     Raises:
         SlurmError: no sbatch, no Slurm configuration, or unreadable output.
