@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,7 +76,9 @@ def _run(tmp_path: Path, scenario: str, *, timeout_s: float, kill: bool) -> dict
 
         wait_for(both_ready, 120, "both workers in the group")
         if kill:
-            time.sleep(1.5)  # rank 0 waits in its operation for rank 1
+            # rank 0 is entering its operation, which waits for the silent rank 1 (a kill
+            # just before the call fails the same way: the pair's connection is gone)
+            wait_for(lambda: (tmp_path / "entering0").exists(), 60, "rank 0's operation")
             procs[1].send_signal(signal.SIGKILL)
         assert procs[0].wait(120) == 0, _logs(tmp_path)
         return json.loads((tmp_path / "result.json").read_text())
