@@ -192,17 +192,24 @@ def test_parse_signal_rejects_unknown_with_hint() -> None:
 # item 8): a training script's helper processes (DataLoader workers) get it too.
 FORK_HELPER = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import os, signal, sys
     from slurm_elastic import notice
     if sys.argv[1] == "own":
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the script's own choice: kept
     got = notice.ensure_preemption_handler()
     print(got.name if got else None, signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a forked helper (a DataLoader worker): inherits the disposition
-        time.sleep(0.5)
+        os.close(w)
+        os.read(r, 1)  # alive until the parent has signalled it and says go
         os._exit(0)
+    os.close(r)
     os.kill(pid, signal.SIGUSR2)
+    try:
+        os.write(w, b"x")  # a helper the signal killed never reads this
+    except BrokenPipeError:
+        pass
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status), flush=True)
     """
