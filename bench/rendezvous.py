@@ -64,6 +64,7 @@ import tempfile
 import time
 import traceback
 from contextlib import closing
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -410,12 +411,54 @@ def recovery(
             node.kill()
 
 
-_SIM_AGENTS_PER_PROCESS = 512
-# With the store too: each connection's reverse lookup is answered locally (see
-# _resolver_note), so agents that connect are as many per process as those that don't.
-_SIM_AGENTS_PER_PROCESS_STORE = 512
+#: Simulated agents per light process. More agents per process mean fewer forked
+#: processes but more threads contending for one interpreter lock; 64 was the best of
+#: 32-512 here (2 cores, switch interval below; 4,096 agents: 7-13 s at 64, 12-18 s at
+#: 128 and 256, run-to-run spread of this shared VM).
+_SIM_AGENTS_PER_PROCESS = 64
+_SIM_AGENTS_PER_PROCESS_STORE = 64
+#: The simulated processes' thread switch interval, seconds. An agent's thread runs until
+#: it blocks (every file operation, sleep and socket call releases the interpreter lock),
+#: as N agents in N processes would; Python's default 5 ms preemption among 128 agents
+#: of one process costs more context switches than the agents' work (measured here: 4,096
+#: agents 60 s at 5 ms, 11-13 s at 1 s; a context switch is expensive in this VM).
+_SIM_SWITCH_INTERVAL_S = 1.0
 #: End-to-end formation budgets of the simulated agents (issue #18), seconds.
 SIM_TARGETS_S = {1024: 2.0, 4096: 10.0}
+
+
+def _warm_up(root: str, conf: dict[str, str]) -> None:
+    """Form one private round of one agent (and reach its store) in this process.
+
+    A simulated process is forked from the bench: before this, its first handler pays
+    Python's lazy imports and the copy-on-write faults of every page the rendezvous code
+    touches (0.2-0.8 s of one core per process, measured here). A real node pays them
+    once, on its own cores, when its agent starts, not on the formation's clock; here
+    they would be serialised on this machine's cores. The warm-up round uses its own
+    run id, so nothing of the measured round is done in advance.
+    """
+    import gc
+
+    from slurm_elastic.rendezvous import create_handler
+
+    run_id = f"warm-{os.getpid()}-{time.time_ns()}"
+    h = create_handler(
+        RendezvousParameters("slurm", root, run_id, 1, 1, local_addr="127.0.0.1", **conf),
+        environ={},
+    )
+    info = h.next_rendezvous()
+    si = info.bootstrap_store_info
+    if si is None:
+        raise RuntimeError("the warm-up round has no store")
+    client = torch.distributed.TCPStore(
+        si.master_addr, si.master_port, is_master=False, timeout=timedelta(seconds=30),
+        use_libuv=True,
+    )  # fmt: skip
+    client.set("warm", "1")
+    del client, info
+    h.shutdown()
+    gc.collect()
+    gc.freeze()  # the warm objects stay out of the collector's passes
 
 
 def _sim_process(
@@ -461,6 +504,8 @@ def _sim_process(
             errs.append(f"{type(exc).__name__}: {exc}")
         done[i] = time.monotonic()
 
+    _warm_up(root, conf)
+    sys.setswitchinterval(_SIM_SWITCH_INTERVAL_S)
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
@@ -493,9 +538,10 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
     (epoch selection, its heartbeat thread), runs the real ``next_rendezvous()`` (join
     intents, the compare-and-set state, rank from its own row) and uses the round's
     real TCPStore: rank 0's agent serves it, every other agent connects once and makes
-    one request. The agents live in light processes forked from this one, at most 512
+    one request. The agents live in light processes forked from this one, at most 64
     per process: like nodes, they share nothing but the directory (and this machine's
-    cores). Returns the time from the common start until the last agent has its rank
+    cores). Each process forms one private warm-up round first (:func:`_warm_up`) and
+    switches threads only where an agent blocks (``_SIM_SWITCH_INTERVAL_S``). Returns the time from the common start until the last agent has its rank
     and its store connection, and the metadata operations and bytes read per agent.
     """
     fork = mp.get_context("fork")

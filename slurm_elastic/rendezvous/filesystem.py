@@ -104,6 +104,16 @@ def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -
     return os.open(path, flags | _NOFOLLOW | _CLOEXEC, mode)
 
 
+def _parts(path: str) -> tuple[str, ...]:
+    """The components of absolute normalised ``path``, ``"/"`` first (as ``Path.parts``)."""
+    return ("/", *(p for p in path.split("/") if p))
+
+
+def _prefix(parts: tuple[str, ...], i: int) -> str:
+    """The path of the first ``i`` components of ``parts``."""
+    return "/" + "/".join(parts[1:i])
+
+
 def _unsafe(path: str, st: os.stat_result, *, level: str) -> str | None:
     """Why directory ``path`` is unsafe for us, or None."""
     if not stat.S_ISDIR(st.st_mode):
@@ -185,33 +195,38 @@ class SafeDir:
                 for ``path`` itself), cannot be created, or ``path`` is missing and
                 ``create`` is False. The message names the path and the fix.
         """
-        target = Path(os.path.abspath(path))
-        parts = target.parts  # ("/", "a", "b", ...); prefix i = parts[:i]
+        # Strings, not Path objects: at thousands of agents, parsing paths cost more
+        # than the system calls (this runs once per handler).
+        target = os.path.abspath(path)
+        parts = _parts(target)  # ("/", "a", "b", ...); prefix i = parts[:i]
         n = len(parts)
         uid = os.getuid()
         existing = 1
         for i in range(n, 0, -1):
             FS_OPS.add("stat")
-            if os.path.lexists(Path(*parts[:i])):
+            if os.path.lexists(_prefix(parts, i)):
                 existing = i
                 break
         if anchor is not None:
-            anchor_path = Path(os.path.abspath(anchor))
-            if target != anchor_path and anchor_path not in target.parents:
-                raise ValueError(f"anchor {anchor_path} is not an ancestor of {target}")
-            a = min(len(anchor_path.parts), existing + 1)
+            anchor_parts = _parts(os.path.abspath(anchor))
+            if parts[: len(anchor_parts)] != anchor_parts:
+                raise ValueError(
+                    f"anchor {_prefix(anchor_parts, len(anchor_parts))} is not an ancestor "
+                    f"of {target}"
+                )
+            a = min(len(anchor_parts), existing + 1)
         else:
             a = existing + 1
             while a > 1:
                 FS_OPS.add("stat")
-                st = os.lstat(Path(*parts[: a - 1]))
+                st = os.lstat(_prefix(parts, a - 1))
                 if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
                     break
                 a -= 1
         a = min(a, n)  # the target itself is always checked
         # Components above the anchor are resolved by the OS (e.g. /home -> /usr/home);
         # from the anchor down, one checked no-follow openat at a time.
-        base = Path(*parts[: max(a - 1, 1)])
+        base = _prefix(parts, max(a - 1, 1))
         FS_OPS.add("open")
         try:
             fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)

@@ -238,15 +238,21 @@ class SlurmRendezvousHandler(RendezvousHandler):
         # Observe twice per beat interval: verdicts lag a stopped counter by at most
         # half an interval (the window itself is unchanged).
         tick = self._options.heartbeat_interval_s / 2
+        # _ensure_monitor has just beaten: the first tick (an observation) is half an
+        # interval later, the first beat here one interval later. (At start-up nothing
+        # can be judged yet: a first observation only records the counters it sees.)
+        delay = tick
         ticks = 0
         try:
-            while not stop.is_set():
+            while not stop.wait(delay):
                 started = time.monotonic()
+                ticks += 1
                 if ticks % 2 == 0:
                     self._monitor.beat()
-                ticks += 1
                 try:
-                    _, view = backend.view()
+                    # ``head`` per tick, a probe past it every 4th (as the join's polls);
+                    # the view of an unchanged generation is kept with the rows it read.
+                    _, view = backend.view(probe=ticks % 4 == 0)
                     if view.where(self._node) is not None:
                         nodes: dict[str, Node] = {}
                         dead = self._monitor.observe_ring(
@@ -256,7 +262,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
                             self._evict(backend, [nodes[name] for name in dead])
                 except Exception as exc:  # the watcher must outlive transient FS errors
                     log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
-                stop.wait(max(0.0, tick - (time.monotonic() - started)))
+                delay = max(0.0, tick - (time.monotonic() - started))
         finally:
             backend.close()
 
