@@ -70,6 +70,10 @@ def safe_component(value: str) -> str:
     return f"{cleaned}-{digest}"
 
 
+#: How long an agent waits for the agent that claimed an epoch's creation to create it.
+_CREATE_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class Incarnation:
     """Who this agent is, for requeue safety.
@@ -324,27 +328,53 @@ class RunDirectory:
         return Epoch(self.dir.subdir(f"epoch.{number}", create=False), number)
 
     def _create(self, number: int, incarnation: Incarnation) -> None:
-        tmp_name = self.dir.tmp_name(f"epoch.{number}")
-        tmp = self.dir.subdir(tmp_name, create=True)
+        """Create epoch ``number`` unless another agent does (then wait for theirs).
+
+        One agent claims the creation (one exclusive ``mkdir``); the others wait for the
+        epoch to appear instead of each building a copy to throw away (an array of
+        1,024 tasks starting at once made about as many copies, and the run directory
+        they all list grew with them). A claimant that died or stalls is overtaken
+        after :data:`_CREATE_WAIT_S`: then the ``rename`` decides, as before.
+        """
+        claim = f".create.{number}"
+        if self.dir.claim(claim):
+            if self.dir.exists(f"epoch.{number}"):  # created since this agent listed
+                self.dir.rmdir(claim)
+                return
+        else:
+            deadline = time.monotonic() + _CREATE_WAIT_S
+            delay = 0.002
+            while time.monotonic() < deadline:
+                time.sleep(delay)
+                if self.dir.exists(f"epoch.{number}"):
+                    return
+                delay = min(2 * delay, 0.1)
+            log.info("rendezvous run %r: epoch %d was claimed but not created in %.0f s; "
+                     "creating it", self.run_id, number, _CREATE_WAIT_S)  # fmt: skip
         try:
-            tmp.subdir("hb").close()
-            tmp.subdir("keys").close()
-            tmp.subdir("intents").close()
-            init_state_dir(tmp)
-            meta = {
-                "generation": incarnation.generation,
-                "created_by": incarnation.key,
-                "job": incarnation.job,
-                "liveness_window_s": self._liveness_window_s,
-            }
-            tmp.replace("meta", json.dumps(meta).encode())
+            tmp_name = self.dir.tmp_name(f"epoch.{number}")
+            tmp = self.dir.subdir(tmp_name, create=True)
+            try:
+                tmp.subdir("hb").close()
+                tmp.subdir("keys").close()
+                tmp.subdir("intents").close()
+                init_state_dir(tmp)
+                meta = {
+                    "generation": incarnation.generation,
+                    "created_by": incarnation.key,
+                    "job": incarnation.job,
+                    "liveness_window_s": self._liveness_window_s,
+                }
+                tmp.replace("meta", json.dumps(meta).encode())
+            finally:
+                tmp.close()
+            try:
+                self.dir.rename(tmp_name, f"epoch.{number}")
+            except OSError:  # another agent created it first: use theirs
+                self.dir.rmtree(tmp_name)
+                return
         finally:
-            tmp.close()
-        try:
-            self.dir.rename(tmp_name, f"epoch.{number}")
-        except OSError:  # another agent created it first: use theirs
-            self.dir.rmtree(tmp_name)
-            return
+            self.dir.rmdir(claim)  # ours, or a dead claimant's: settled either way
         log.info(
             "rendezvous run %r: opened epoch %d for generation %s",
             self.run_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from slurm_elastic.errors import ConfigError, RendezvousSetupError
 from slurm_elastic.rendezvous import RendezvousOptions, create_handler
+from slurm_elastic.rendezvous.filesystem import SafeDir
 from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory, safe_component
 from slurm_elastic.rendezvous.state import State, decode_state, encode_state
 
@@ -165,3 +167,53 @@ def test_registered_in_torchs_registry(tmp_path: Path) -> None:
         RendezvousParameters("slurm", str(tmp_path), "r", 1, 1, local_addr="127.0.0.1")
     )
     assert handler.get_backend() == "slurm"
+
+
+def _count_epoch_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each temporary epoch an agent builds (a spy: the real method runs)."""
+    built: list[str] = []
+    real = SafeDir.tmp_name
+
+    def spy(self: SafeDir, stem: str) -> str:
+        if stem.startswith("epoch."):
+            built.append(stem)
+        return real(self, stem)
+
+    monkeypatch.setattr(SafeDir, "tmp_name", spy)
+    return built
+
+
+def test_agents_starting_at_once_build_one_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 1,024 agents of a fresh run starting at once each built an epoch to throw away
+    # (and listed a run directory full of them): the formation's set-up took 1-4 s.
+    built = _count_epoch_builds(monkeypatch)
+    n = 32
+    barrier = threading.Barrier(n)
+    numbers: list[int] = []
+
+    def agent(i: int) -> None:
+        run = RunDirectory(tmp_path, "run")
+        barrier.wait()
+        numbers.append(run.select_epoch(Incarnation("array-7", f"{i}.0")).number)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert numbers == [1] * n
+    assert len(built) <= 2, f"{len(built)} of {n} agents built epoch 1"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch.1"]
+
+
+def test_an_epoch_claimed_by_a_dead_agent_is_created_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = _count_epoch_builds(monkeypatch)
+    run = RunDirectory(tmp_path, "run")
+    (tmp_path / "run" / ".create.1").mkdir(mode=0o700)  # claimed, then the claimant died
+    epoch = run.select_epoch(Incarnation("array-7", "0.0"))
+    assert (epoch.number, built) == (1, ["epoch.1"])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch.1"]
