@@ -416,12 +416,12 @@ def recovery(
 #: 32-512 here (2 cores, switch interval below; 4,096 agents: 7-13 s at 64, 12-18 s at
 #: 128 and 256, run-to-run spread of this shared VM).
 _SIM_AGENTS_PER_PROCESS = 64
-_SIM_AGENTS_PER_PROCESS_STORE = 64
 #: The simulated processes' thread switch interval, seconds. An agent's thread runs until
 #: it blocks (every file operation, sleep and socket call releases the interpreter lock),
-#: as N agents in N processes would; Python's default 5 ms preemption among 128 agents
+#: as N agents in N processes would; Python's default 5 ms preemption among the agents
 #: of one process costs more context switches than the agents' work (measured here: 4,096
-#: agents 60 s at 5 ms, 11-13 s at 1 s; a context switch is expensive in this VM).
+#: agents, 128 per process, 60 s at 5 ms, 11-13 s at 1 s; context switches are expensive
+#: in this VM).
 _SIM_SWITCH_INTERVAL_S = 1.0
 #: End-to-end formation budgets of the simulated agents (issue #18), seconds.
 SIM_TARGETS_S = {1024: 2.0, 4096: 10.0}
@@ -541,14 +541,15 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
     one request. The agents live in light processes forked from this one, at most 64
     per process: like nodes, they share nothing but the directory (and this machine's
     cores). Each process forms one private warm-up round first (:func:`_warm_up`) and
-    switches threads only where an agent blocks (``_SIM_SWITCH_INTERVAL_S``). Returns the time from the common start until the last agent has its rank
-    and its store connection, and the metadata operations and bytes read per agent.
+    switches threads only where an agent blocks (``_SIM_SWITCH_INTERVAL_S``). Returns
+    the time from the common start until the last agent has its rank and its store
+    connection, and the metadata operations and bytes read per agent.
     """
     fork = mp.get_context("fork")
     root = work / "sim"
     root.mkdir(mode=0o700, exist_ok=True)
     run_id = f"sim{n}-{time.time_ns()}"
-    per = _SIM_AGENTS_PER_PROCESS_STORE if store else _SIM_AGENTS_PER_PROCESS
+    per = _SIM_AGENTS_PER_PROCESS
     nproc = max(1, -(-n // per))
     counts = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
     go = fork.Event()

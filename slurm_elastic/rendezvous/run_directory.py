@@ -27,8 +27,8 @@ when the epoch is *closed* it raises :class:`RendezvousClosedError` if its own k
 part in that epoch (a late agent of a finished job), and otherwise opens a new epoch:
 a closed run never poisons a requeue. Epochs are created by ``rename`` of a fully built
 directory (exclusive: one creator wins, the others use the winner's); one agent claims
-the creation (``.create.<k>``) and the others wait for it rather than build copies. Epochs older than
-the previous two are deleted by the creator of a new one.
+the creation (``.create.<k>``) and the others wait for it rather than build copies.
+Epochs older than the previous two are deleted by the creator of a new one.
 """
 
 from __future__ import annotations
