@@ -27,7 +27,9 @@ notice first), ``torchrun`` (``torchrun --rdzv-backend c10d`` with its default t
 3 misses (eviction window ~1.5-2 s); torchrun's keep-alive is 5 s x 3.
 
 Cases and targets (issue 11): ``join``/``leave``: in place stalls <= 0.5 s and <= 0.1x
-our restart, 0 steps lost; ``hard_*``: in place recovers <= eviction window + 1 s and
+our restart, 0 steps lost, and the newcomer's first step (its agent started -> the first
+step of the new world) <= 6 s (issue 22); ``hard_*``: in place recovers <= 1.0 s (issue
+22: the killed agent's link ends at once, the eviction window is not waited out) and
 <= 0.35x torchrun; ``crash``: reported against torchrun; ``frozen`` (issue 22): in
 place recovers <= eviction window + 5 s, against our restart path (reported). A baseline that never recovers
 within the limit is reported as the limit with ``baseline_is_lower_bound`` (the ratio is
@@ -67,6 +69,11 @@ from slurm_elastic import ledger as sample_ledger  # noqa: E402
 TRAIN = REPO / "examples" / "train_ddp.py"
 PY = sys.executable
 EVICTION_S = 0.5 * 3  # our heartbeat: interval x misses (detection adds up to one interval)
+# Issue 22: a hard loss whose sockets reset (SIGKILL) -> first step in the new world; the
+# killed agent's link ends at once, so the eviction window is not waited out.
+HARD_S = 1.0
+# Issue 22: a newcomer's first step (its agent started -> first step in the new world).
+NEWCOMER_S = 6.0
 
 
 def _free_port() -> int:
@@ -267,8 +274,8 @@ def judge(
         ok = o is not None and o <= 0.5 and ours.get("lost") == 0
         ok = ok and (ratio is None or ratio <= 0.1)
     elif event.startswith("hard"):
-        target = f"ours <= {EVICTION_S + 1 + 0.5:.1f} s (window + 1 s) and ratio <= 0.35"
-        ok = o is not None and o <= EVICTION_S + 0.5 + 1
+        target = f"ours <= {HARD_S:.1f} s and ratio <= 0.35"
+        ok = o is not None and o <= HARD_S
         ok = ok and (ratio is None or ratio <= 0.35)
     elif event == "frozen":
         target = f"ours <= {EVICTION_S + 5 + 0.5:.1f} s (window + 5 s)"
@@ -278,13 +285,29 @@ def judge(
         ok = o is not None and (ratio is None or ratio <= 1)
     if not primary and event not in ("crash", "frozen"):
         target = target.split(" and ratio")[0] + " (ratio reported)"
-        ok = o is not None and (o <= 0.5 if graceful else o <= EVICTION_S + 0.5 + 1)
+        ok = o is not None and (o <= 0.5 if graceful else o <= HARD_S)
         ok = ok and (not graceful or ours.get("lost") == 0)
     return {
         "bench": "recovery", "case": f"{event}_inplace_vs_{base_sys}", "ours": o,
         "baseline": b, "ratio": ratio, "target": target, "ok": bool(ok), "unit": "s",
         "metric": metric, "nodes": n, "ours_detail": ours, "baseline_detail": base,
         "baseline_is_lower_bound": bound,
+    }  # fmt: skip
+
+
+def judge_newcomer(
+    ours: dict[str, Any], base_sys: str, base: dict[str, Any], n: int
+) -> dict[str, Any]:
+    """The join's second line: the newcomer's agent started -> its first step (the first
+    step of the new world: agent, rendezvous, worker start, state from a peer)."""
+    o, b = ours.get("recovery_s"), base.get("recovery_s")
+    ratio = None if o is None or b is None or b == 0 else round(o / b, 3)
+    return {
+        "bench": "recovery", "case": f"join_newcomer_first_step_vs_{base_sys}", "ours": o,
+        "baseline": b, "ratio": ratio, "target": f"ours <= {NEWCOMER_S:.1f} s",
+        "ok": o is not None and o <= NEWCOMER_S, "unit": "s", "metric": "recovery_s",
+        "nodes": n, "ours_detail": ours, "baseline_detail": base,
+        "baseline_is_lower_bound": False,
     }  # fmt: skip
 
 
@@ -329,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             rec = judge(event, ours, base_sys, results[base_sys], n, base_sys == plan[event][1])
             rows.append(rec)
             print(json.dumps(rec), flush=True)
+            if event == "join" and base_sys == plan[event][1]:
+                rec = judge_newcomer(ours, base_sys, results[base_sys], n)
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
     print(f"\n{'case':40} {'metric':11} {'ours':>8} {'baseline':>9} {'ratio':>7} {'lost':>5} ok")
     for r in rows:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731

@@ -200,10 +200,13 @@ class RendezvousComplete(Event):
 @_register
 @dataclass(frozen=True, kw_only=True)
 class RendezvousEvicted(Event):
-    """Nodes whose heartbeats stopped were evicted."""
+    """Nodes found dead were evicted: ``cause`` ``heartbeat`` (the counter stood still
+    for the window) or ``link`` (the agent's verified connection closed: the process is
+    gone)."""
 
     kind: ClassVar[str] = "rendezvous.evicted"
     nodes: list[str] = field(default_factory=list)
+    cause: str = "heartbeat"
 
 
 @_register

@@ -12,6 +12,10 @@ What it adds to torch's:
   (:mod:`~slurm_elastic.rendezvous.heartbeat`) by a thread that runs for the handler's
   whole life (also while waiting as a spare). Dead nodes are evicted by a
   compare-and-set written by their watcher.
+* **Links** (:mod:`~slurm_elastic.rendezvous.link`): once in a complete round, each
+  member also holds a verified TCP connection to the participants it watches. A
+  killed agent's kernel closes it at once, and its watcher evicts it then, without
+  waiting out the heartbeat window (which still decides every silent loss).
 * **Prompt restart**: :meth:`num_nodes_waiting` is also positive when a participant of
   this node's round is gone (left or evicted), when the round moved on, when this node
   itself was evicted, or when the run was closed, so torch's agent restarts at once.
@@ -31,6 +35,7 @@ What it adds to torch's:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import itertools
 import logging
@@ -63,6 +68,7 @@ from slurm_elastic.rendezvous.decisions import (
 from slurm_elastic.rendezvous.executor import OpLoop, Timing
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
 from slurm_elastic.rendezvous.join_intents import IntentBoard
+from slurm_elastic.rendezvous.link import ProcessLink, Target
 from slurm_elastic.rendezvous.options import RendezvousOptions
 from slurm_elastic.rendezvous.resolver import check_reverse_lookup_once
 from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
@@ -168,11 +174,16 @@ class SlurmRendezvousHandler(RendezvousHandler):
             epoch, self._node_name, local_addr, options.store_port, options.store_timeout_s
         )
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._link: ProcessLink | None = None
+        self._link_failed = False
+        self._linked: dict[str, Node] = {}  # the nodes the link watches, by name
         self._round: int | None = None
         self._world: int | None = None  # the size of the round last returned
         self._seat: Seat | None = None
         self._seated_round: int | None = None  # the round join_round last completed
+        self._seated_world = 0  # and its size
         self._keep_seat = False  # inside keeping_seat(): in place, the workers still train
         self._active = False
         atexit.register(_leave_at_exit, weakref.ref(self))
@@ -219,9 +230,10 @@ class SlurmRendezvousHandler(RendezvousHandler):
         self._monitor.reset()
         self._monitor.beat()  # our file exists before we appear in the state
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._run_monitor,
-            args=(self._stop,),
+            args=(self._stop, self._wake),
             name=f"slurm-rdzv-heartbeat-{self._node_name}",
             daemon=True,
         )
@@ -229,11 +241,12 @@ class SlurmRendezvousHandler(RendezvousHandler):
 
     def _stop_monitor(self) -> None:
         self._stop.set()
+        self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=max(2.0, 2 * self._options.heartbeat_interval_s))
 
-    def _run_monitor(self, stop: threading.Event) -> None:
+    def _run_monitor(self, stop: threading.Event, wake: threading.Event) -> None:
         backend = self._epoch.backend()  # its own descriptors: not shared across threads
         # Observe twice per beat interval: verdicts lag a stopped counter by at most
         # half an interval (the window itself is unchanged).
@@ -241,11 +254,20 @@ class SlurmRendezvousHandler(RendezvousHandler):
         # _ensure_monitor has just beaten: the first tick (an observation) is half an
         # interval later, the first beat here one interval later. (At start-up nothing
         # can be judged yet: a first observation only records the counters it sees.)
-        delay = tick
+        next_tick = time.monotonic() + tick
         ticks = 0
         try:
-            while not stop.wait(delay):
+            while True:
+                wake.wait(max(0.0, next_tick - time.monotonic()))
+                if stop.is_set():
+                    return
+                if wake.is_set():  # a link ended: judge it now, not at the next tick
+                    wake.clear()
+                    self._evict_lost_links(backend)
                 started = time.monotonic()
+                if started < next_tick:
+                    continue
+                next_tick = started + tick
                 ticks += 1
                 if ticks % 2 == 0:
                     self._monitor.beat()
@@ -260,13 +282,93 @@ class SlurmRendezvousHandler(RendezvousHandler):
                         )
                         if dead:
                             self._evict(backend, [nodes[name] for name in dead])
+                        self._watch_links(view, nodes)
+                    else:
+                        self._watch_links(view, {})
                 except Exception as exc:  # the watcher must outlive transient FS errors
                     log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
-                delay = max(0.0, tick - (time.monotonic() - started))
         finally:
             backend.close()
 
-    def _evict(self, backend: FileRendezvousBackend, dead: list[Node]) -> None:
+    def _watch_links(self, view: Readable, nodes: dict[str, Node]) -> None:
+        """Hold links to the participants this node watches, once it is one itself.
+
+        Only in a complete round: a lost participant breaks training, while a waiting
+        node or a spare can wait for its heartbeat window. The link starts (and its
+        record is published with a beat) the first time this node is seated.
+        """
+        seated = view.complete and view.where(self._node) == PARTICIPANTS
+        if not seated:
+            if self._link is not None:
+                self._link.watch({})
+            return
+        if self._link is None and not self._link_failed:
+            try:
+                self._link = ProcessLink(self._local_addr, on_lost=lambda: self._wake.set())
+            except OSError as exc:  # the heartbeat window still detects every loss
+                self._link_failed = True
+                log.warning(
+                    "rendezvous %r: no link listener on %s (%s); a killed node is evicted "
+                    "after the heartbeat window only",
+                    self._run_id,
+                    self._local_addr,
+                    exc,
+                )
+                return
+            self._monitor.link_record = self._link.record
+            self._monitor.beat()
+        if self._link is None:
+            return
+        targets: dict[str, Target] = {}
+        for name, node in nodes.items():
+            record = self._monitor.record_of(name)
+            if record and view.where(node) == PARTICIPANTS:
+                targets[name] = Target(node.addr, record)
+        self._linked = {name: nodes[name] for name in targets}
+        self._link.watch(targets)
+
+    def _evict_lost_links(self, backend: FileRendezvousBackend) -> None:
+        """Evict the watched nodes whose verified link ended (their process is gone).
+
+        Only a node that is still a member and whose heartbeat file still holds the
+        record the link was verified against: a node that left (its file is removed
+        first) or left and joined again (a new record) is not evicted.
+        """
+        if self._link is None:
+            return
+        lost = self._link.lost()
+        if not lost:
+            return
+        try:
+            _, view = backend.view()
+            dead = []
+            for name, target in lost:
+                node = self._linked.get(name)
+                if node is None or view.where(node) is None:
+                    continue
+                if self._monitor.read_record(name) != target.record:
+                    continue
+                dead.append(node)
+            if dead:
+                self._evict(backend, dead, cause="link")
+        except Exception as exc:  # the heartbeat window still decides
+            log.warning("rendezvous link watcher: %s: %s", type(exc).__name__, exc)
+
+    def verified_links(self) -> frozenset[str]:
+        """The nodes this node holds a verified link to now (names)."""
+        link = self._link
+        return frozenset(link.verified()) if link is not None else frozenset()
+
+    def _close_link(self) -> None:
+        link, self._link = self._link, None
+        self._linked = {}
+        self._monitor.link_record = b""
+        if link is not None:
+            link.close()
+
+    def _evict(
+        self, backend: FileRendezvousBackend, dead: list[Node], cause: str = "heartbeat"
+    ) -> None:
         board = IntentBoard(self._epoch.intents)
         for node in dead:  # a dead node's intent must not bring it back
             board.withdraw(IntentBoard.name(node))
@@ -278,13 +380,13 @@ class SlurmRendezvousHandler(RendezvousHandler):
             result = backend.set_state(encode_state(state), gen)
             if result is not None and result[2]:
                 names = ", ".join(n.name for n in dead)
-                log.info(
-                    "rendezvous %r: evicted %s (no heartbeat progress for %.1f s)",
-                    self._run_id,
-                    names,
-                    self._monitor.window_s,
+                why = (
+                    "its agent's link closed: the process is gone"
+                    if cause == "link"
+                    else f"no heartbeat progress for {self._monitor.window_s:.1f} s"
                 )
-                events.emit(events.RendezvousEvicted(nodes=[n.name for n in dead]))
+                log.info("rendezvous %r: evicted %s (%s)", self._run_id, names, why)
+                events.emit(events.RendezvousEvicted(nodes=[n.name for n in dead], cause=cause))
                 self._forget_heartbeats(dead)
                 return
 
@@ -326,16 +428,23 @@ class SlurmRendezvousHandler(RendezvousHandler):
         node, rules = self._node, self._rules
         with self._lock:
             seated, reseat = self._seated_round, self._keep_seat
-            self._loop.run(
+            exited = self._loop.run(
                 lambda v, c: decide_exit(v, node, c, seated_round=seated, reseat=reseat),
                 deadline,
             )
+            # In place after a loss, every member of the last round is seated by the first
+            # one back (RESEAT) and nobody is arriving: the round completes without the
+            # re-formation grace (which gathers arrivals into one round) once nobody waits.
+            after_loss = reseat and exited.count(PARTICIPANTS) < self._seated_world
             view = self._loop.run(
-                lambda v, c: decide_join(v, node, rules, c),
+                lambda v, c: decide_join(
+                    v, node, rules, dataclasses.replace(c, grace_passed=True) if after_loss else c
+                ),
                 deadline,
                 renew=lambda: self._deadline(self._options.join_timeout_s),
             )
             self._seated_round = view.round
+            self._seated_world = view.count(PARTICIPANTS)
             return _seat(view, node)
 
     @contextmanager
@@ -491,8 +600,10 @@ class SlurmRendezvousHandler(RendezvousHandler):
                 self._deadline(self._options.close_timeout_s),
             )
         self._monitor.remove()
+        self._close_link()  # after leaving: its end is then no evidence against this node
         self._round = self._world = self._seat = None
         self._seated_round = None
+        self._seated_world = 0
         log.info("rendezvous %r: node %s left", self._run_id, self._node_name)
         events.emit(events.RendezvousLeft(node=self._node_name))
 
@@ -518,6 +629,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
             )
             ok = False
         self._monitor.remove()
+        self._close_link()
         return ok
 
 

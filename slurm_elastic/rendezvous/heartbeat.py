@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_elastic.rendezvous.filesystem import SafeDir
+from slurm_elastic.rendezvous.link import RECORD
 
 __all__ = ["HeartbeatMonitor", "node_file_name"]
 
@@ -46,6 +47,12 @@ _COUNTER = struct.Struct(">Q")
 def node_file_name(node: str) -> str:
     """Return the heartbeat file name of node ``node`` (a safe path component)."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", node)[:200]
+
+
+def _link_record(raw: bytes) -> bytes:
+    """The link record after the counter of a heartbeat file, ``b""`` when absent."""
+    end = _COUNTER.size + RECORD.size
+    return bytes(raw[_COUNTER.size : end]) if len(raw) >= end else b""
 
 
 @dataclass
@@ -89,6 +96,9 @@ class HeartbeatMonitor:
         self._reader = reader or self._read_counter
         self._counter = 0
         self._seen: dict[str, _Observation] = {}
+        #: Written after the counter in every beat: this agent's link record (.link).
+        self.link_record = b""
+        self._records: dict[str, bytes] = {}
 
     @property
     def window_s(self) -> float:
@@ -99,7 +109,9 @@ class HeartbeatMonitor:
         """Increment and write this node's counter (one ``open``)."""
         self._counter += 1
         try:
-            self._dir.write_in_place(node_file_name(self.node), _COUNTER.pack(self._counter))
+            self._dir.write_in_place(
+                node_file_name(self.node), _COUNTER.pack(self._counter) + self.link_record
+            )
         except OSError as exc:  # a missed beat is survivable; a crash of the thread is not
             log.warning("could not write heartbeat %s: %s", self._dir, exc)
 
@@ -114,14 +126,31 @@ class HeartbeatMonitor:
         except OSError as exc:
             log.debug("could not remove heartbeat file: %s", exc)
 
-    def _read_counter(self, node: str) -> int | None:
+    def _read_file(self, node: str) -> bytes | None:
         try:
             raw = self._dir.read(node_file_name(node), limit=64)
         except OSError:
             return None
         if raw is None or len(raw) < _COUNTER.size:
             return None
+        return raw
+
+    def _read_counter(self, node: str) -> int | None:
+        raw = self._read_file(node)
+        if raw is None:
+            self._records.pop(node, None)
+            return None
+        self._records[node] = _link_record(raw)
         return int(_COUNTER.unpack_from(raw)[0])
+
+    def record_of(self, node: str) -> bytes:
+        """``node``'s link record as last read by an observation (``b""``: none)."""
+        return self._records.get(node, b"")
+
+    def read_record(self, node: str) -> bytes:
+        """``node``'s link record as its heartbeat file holds it now (``b""``: none)."""
+        raw = self._read_file(node)
+        return b"" if raw is None else _link_record(raw)
 
     def observe(self, members: Sequence[str]) -> list[str]:
         """Watch this node's successors among ``members``; return the dead ones.
@@ -176,4 +205,5 @@ class HeartbeatMonitor:
                 if healthy >= self._successors:
                     break
         self._seen = seen
+        self._records = {n: r for n, r in self._records.items() if n in seen}
         return dead

@@ -120,6 +120,11 @@ def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) 
                 assert handler is not None
                 _, st = handler.epoch.backend().read_full()
                 conn.send(("ok", (st.round, st.complete, len(st.participants))))
+            elif cmd == "linked":  # the nodes this one holds a verified link to
+                conn.send(("ok", sorted(handler.verified_links())))  # type: ignore[union-attr]
+            elif cmd == "stop":  # SIGSTOP this process (a frozen node); the test CONTs it
+                conn.send(("ok", None))
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif cmd == "waiting":
                 conn.send(("ok", handler.num_nodes_waiting()))  # type: ignore[union-attr]
             elif cmd == "leave":
