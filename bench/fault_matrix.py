@@ -75,11 +75,16 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "test_array_faults.py::test_array_fault[agent_sigkill]": (
         "SIGKILL of an agent (not the store host)",
-        "survivors re-form at 2 (heartbeat loss); requeued by hand, it rejoins",
+        "survivors re-form at 2 (evicted at once: its link closed); requeued by hand, it rejoins",
     ),
     "test_array_faults.py::test_array_fault[store_host_agent_sigkill]": (
         "SIGKILL of the agent hosting the workers' store",
         "survivors re-form at 2 on a new store; requeued by hand, it rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[frozen_node]": (
+        "a frozen node: one task's agent and worker SIGSTOPped, sockets open (silent loss)",
+        "survivors train at 2 within the eviction window + 5 s (heartbeat eviction, blocked "
+        "collective aborted in place); thawed, it rejoins",
     ),
     "test_array_faults.py::test_array_fault[high_partition_preemption]": (
         "preemption by a `high`-partition job (`-w node --exclusive`)",

@@ -6,7 +6,12 @@ is; this class plugs into its intended extension points:
 * ``_monitor_workers`` (torch: "override to return UNHEALTHY for a hang") adds
   1. **the hang watchdog**: with ``hang_timeout_s`` set, a group whose progress reports
      stop changing for that long (measured on this node's monotonic clock, see
-     :mod:`~slurm_elastic.agent.watchdog`) is reported failed;
+     :mod:`~slurm_elastic.agent.watchdog`) is reported failed, and a stopped worker
+     (SIGSTOP, a tracer) is SIGKILLed first (it would never act on torch's SIGTERM).
+     A group whose workers all still run may only be waiting in a collective for a
+     hung worker on another node: with peers, it first waits up to the eviction
+     window for a membership change (that node restarting its workers) and, if one
+     comes, re-forms in place instead (the other nodes stay);
   2. **a departing peer is not a failure**: a failed group waits up to the eviction
      window for the rendezvous to report a membership change; if one comes, the group
      is reported healthy and torch's own membership path restarts it (not charged to
@@ -46,7 +51,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +71,12 @@ from slurm_elastic.agent.round_store import RoundBoundStore
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.errors import RoundLostError
 from slurm_elastic.live import control
-from slurm_elastic.rendezvous.protocols import RoundReporting, RoundWatching, SeatKeeping
+from slurm_elastic.rendezvous.protocols import (
+    LeavableRendezvous,
+    RoundReporting,
+    RoundWatching,
+    SeatKeeping,
+)
 
 __all__ = ["SlurmElasticAgent"]
 
@@ -78,6 +88,22 @@ def _round_of(handler: RendezvousHandler) -> int:
     if isinstance(handler, RoundReporting) and handler.current_round is not None:
         return handler.current_round
     return _dynamic_handler_round(handler) or 0  # torch's c10d / etcd handlers
+
+
+def _stopped(pids: Iterable[object]) -> list[int]:
+    """The processes among ``pids`` that are stopped (SIGSTOP or a tracer): hung here."""
+    found = []
+    for pid in pids:
+        if not isinstance(pid, int):
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[-1].split()
+        except OSError:
+            continue
+        if fields and fields[0] in (b"T", b"t"):
+            found.append(pid)
+    return found
 
 
 def _dynamic_handler_round(handler: object) -> int | None:
@@ -214,13 +240,33 @@ class SlurmElasticAgent(LocalElasticAgent):
         if self._leaving_since is not None:
             return self._monitor_leaving(result)
         if state == WorkerState.HEALTHY and self._is_hung():
+            stopped = _stopped(w.id for w in worker_group.workers)
+            peers = (worker_group.group_world_size or 1) > 1
+            grace_until = (self._hang_timeout_s or 0.0) + self._membership_grace_s
+            deferred = self._progress.age_s() <= grace_until
+            if not stopped and peers and deferred:
+                # Every local worker runs: they may wait in a collective for a hung worker
+                # elsewhere, whose agent restarts it and leaves the round at once. Give
+                # that a grace: the membership change then re-forms these in place
+                # (torch's loop sees num_nodes_waiting() > 0; issue 22: the others stay).
+                self._last_state = WorkerState.HEALTHY
+                return result
             age = self._progress.age_s()
             log.warning(
-                "no training progress for %.1f s (hang_timeout_s=%s): restarting workers",
+                "no training progress for %.1f s (hang_timeout_s=%s%s): restarting workers",
                 age,
                 self._hang_timeout_s,
+                f"; stopped worker(s) {sorted(stopped)}" if stopped else "",
             )
             events.emit(events.AgentHang(progress_age_s=age))
+            for pid in stopped:  # a stopped process never acts on torch's SIGTERM
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            handler = worker_group.spec.rdzv_handler
+            if stopped and peers and isinstance(handler, LeavableRendezvous):
+                # The hang is here: leave the round now, so the other nodes re-form (in
+                # place) without waiting for this restart; it joins again as it restarts.
+                handler.leave()
             # FAILED, not UNHEALTHY: torch reports an UNHEALTHY result as not failed.
             result = RunResult(state=WorkerState.FAILED)
             state = result.state
@@ -358,6 +404,7 @@ class SlurmElasticAgent(LocalElasticAgent):
                 ),
             )
         worker_group.state = WorkerState.HEALTHY
+        self._progress.reset()  # the hang watch re-arms at the first step of the new round
         world = (worker_group.group_world_size or 0) * worker_group.spec.local_world_size
         log.info(
             "new round %d formed in place in %.2f s: group_rank=%s world_size=%s",

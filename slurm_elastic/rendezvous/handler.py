@@ -304,14 +304,13 @@ class SlurmRendezvousHandler(RendezvousHandler):
             return
         if self._link is None and not self._link_failed:
             try:
-                self._link = ProcessLink(self._local_addr, on_lost=lambda: self._wake.set())
+                self._link = ProcessLink(on_lost=lambda: self._wake.set())
             except OSError as exc:  # the heartbeat window still detects every loss
                 self._link_failed = True
                 log.warning(
-                    "rendezvous %r: no link listener on %s (%s); a killed node is evicted "
+                    "rendezvous %r: no link listener (%s); a killed node is evicted "
                     "after the heartbeat window only",
                     self._run_id,
-                    self._local_addr,
                     exc,
                 )
                 return

@@ -10,8 +10,8 @@ reset) within a round trip. That is proof, and it needs no window.
 
 How, per agent (one :class:`ProcessLink`):
 
-* A listening TCP socket on the node's advertised address (any free port) and a random
-  16-byte secret. Both go into the agent's heartbeat file after its counter
+* A listening TCP socket (any free port, every address: the advertised name may resolve
+  to another local address than the one peers reach) and a random 16-byte secret. Both go into the agent's heartbeat file after its counter
   (:meth:`ProcessLink.record`); that directory is private to the run's user, so only the
   run's agents can read the secret.
 * A watcher holds one connection to each ring successor that it watches
@@ -118,19 +118,16 @@ class ProcessLink:
     """This agent's listener and its connections to the successors it watches.
 
     Args:
-        addr: the address this node advertises (the listener binds to it).
         on_lost: called (on the link's thread) after a verified connection ended.
         clock: a monotonic clock.
     """
 
     def __init__(
         self,
-        addr: str,
         on_lost: Callable[[], None] | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._addr = addr
         self._on_lost = on_lost
         self._clock = clock
         self._secret = os.urandom(16)
@@ -146,25 +143,26 @@ class ProcessLink:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
-        self._listener = self._listen(addr)
+        self._listener = self._listen()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._thread = threading.Thread(target=self._run, name="slurm-rdzv-link", daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _listen(addr: str) -> socket.socket:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            addr, 0, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICSERV
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.bind(sockaddr)
-            sock.listen(MAX_INCOMING)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
+    def _listen() -> socket.socket:
+        """Listen on every address (the advertised name may resolve differently here,
+        e.g. to Debian's 127.0.1.1): dual-stack where IPv6 exists, else IPv4."""
+        if socket.has_dualstack_ipv6():
+            try:
+                sock = socket.create_server(
+                    ("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=MAX_INCOMING
+                )
+            except OSError:
+                sock = socket.create_server(("", 0), backlog=MAX_INCOMING)
+        else:
+            sock = socket.create_server(("", 0), backlog=MAX_INCOMING)
+        sock.setblocking(False)
         return sock
 
     @property

@@ -307,6 +307,16 @@ class FaultRun:
         }
         return len(seen) == world
 
+    def first_step_at(self, world: int, since: float) -> float:
+        """The time of the first ledger step at world size ``world`` after ``since`` in a
+        later round than the one training at ``since`` (after :meth:`training_at`)."""
+        old = self._round_at.get(since, -1)
+        return min(
+            r["time"]
+            for r in self._ledger_tail()
+            if r.get("world") == world and r.get("time", 0) >= since and r.get("round", 0) > old
+        )
+
     def wait_training(
         self, world: int, since: float, timeout: float, what: str, new_round: bool = False
     ) -> None:

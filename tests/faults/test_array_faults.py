@@ -14,6 +14,7 @@ nothing is left in the queue or the process table.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -37,6 +38,8 @@ pytestmark = [
 
 TASKS = 3
 RECOVER_S = 240  # a restart of the whole group under load, or a requeue + rejoin
+# The default eviction window (heartbeat_interval_s 1 x heartbeat_miss_limit 5) + 5 s.
+FROZEN_BOUND_S = 1.0 * 5 + 5.0
 NO_SCONTROL_TASK = 2  # this task's PATH has no Slurm commands (as in a container)
 RUNNING = {JobState.RUNNING}
 
@@ -52,6 +55,12 @@ def _node_of_task(run: FaultRun, task: int) -> str:
 
 def _recovered(run: FaultRun, since: float, what: str) -> None:
     run.wait_training(TASKS, since, RECOVER_S, f"recovery after {what}", new_round=True)
+
+
+def _evicted_by_link(run: FaultRun, since: float) -> None:
+    """A killed agent is evicted by its watcher's link, not after the heartbeat window."""
+    evicted = run.events(since, "rendezvous.evicted")
+    assert [e for e in evicted if e["cause"] == "link"], f"not evicted by a link: {evicted}"
 
 
 def _requeue_task(run: FaultRun, task: int) -> None:
@@ -150,6 +159,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         t0 = time.time()
         run.kill(victim)
         run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after an agent SIGKILL")
+        _evicted_by_link(run, t0)
         _requeue_task(run, int(victim.task or 0))
         _recovered(run, t0, "an agent SIGKILL + requeue")
 
@@ -158,8 +168,35 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         t0 = time.time()
         run.kill(host)
         run.wait_world_below(TASKS, t0, RECOVER_S, "survivors after the store host's SIGKILL")
+        _evicted_by_link(run, t0)
         _requeue_task(run, int(host.task or 0))
         _recovered(run, t0, "the store host's SIGKILL + requeue")
+
+    def frozen_node() -> None:
+        # A silent loss (issue 22): one task's agent and worker stopped, their sockets
+        # open (a hung kernel, a frozen VM). The survivors train again at N-1 within the
+        # default eviction window (1 s x 5) + 5 s; thawed, the node rejoins.
+        host = run.store_host()
+        victim = next(a for a in run.agents() if a.pid != host.pid)
+        frozen = [victim, *(w for w in run.workers() if w.ppid == victim.pid)]
+        t0 = time.time()
+        for proc in frozen:
+            run.kill(proc, signal.SIGSTOP)
+        try:
+            run.wait_training(
+                TASKS - 1, t0, FROZEN_BOUND_S + 60, "survivors after a frozen node", new_round=True
+            )
+            took = run.first_step_at(TASKS - 1, t0) - t0
+        finally:
+            for proc in frozen:
+                run.kill(proc, signal.SIGCONT)
+        print(f"frozen node: the survivors trained at {TASKS - 1} {took:.2f} s after the stop")
+        assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
+        evicted = run.events(t0, "rendezvous.evicted")
+        assert evicted and {e["cause"] for e in evicted} == {"heartbeat"}, evicted
+        if PATH == "in-place":
+            assert run.events(t0, "live.collective_aborted"), "no blocked collective aborted"
+        _recovered(run, t0, "a frozen node, thawed")
 
     def preempt_node_of(task: int) -> float:
         node = _node_of_task(run, task)
@@ -225,6 +262,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         ("scontrol_requeue_task", scontrol_requeue),
         ("agent_sigkill", agent_sigkill),
         ("store_host_agent_sigkill", store_host_sigkill),
+        ("frozen_node", frozen_node),
         ("high_partition_preemption", high_partition_preemption),
         ("node_down", node_down),
         ("scancel_task", scancel_task),
@@ -284,6 +322,7 @@ CASES = [
     "scontrol_requeue_task",
     "agent_sigkill",
     "store_host_agent_sigkill",
+    "frozen_node",
     "high_partition_preemption",
     "node_down",
     "scancel_task",

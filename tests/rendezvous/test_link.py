@@ -33,13 +33,13 @@ def links() -> Iterator[list[ProcessLink]]:
 
 
 def _new(made: list[ProcessLink], **kwargs: object) -> ProcessLink:
-    link = ProcessLink("127.0.0.1", **kwargs)  # type: ignore[arg-type]
+    link = ProcessLink(**kwargs)  # type: ignore[arg-type]
     made.append(link)
     return link
 
 
 def _serve_link(conn: Connection) -> None:
-    link = ProcessLink("127.0.0.1")
+    link = ProcessLink()
     conn.send(link.record)
     time.sleep(600)  # killed by the test
 
