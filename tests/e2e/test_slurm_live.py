@@ -207,9 +207,10 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     """Hard loss on a 2-task array whose workers give the new round only 0.5 s: the
-    eviction takes longer, so re-forming in place times out; the survivor's workers exit
-    and its agent restarts them from the newest checkpoint (the restart path), and the run
-    still completes exactly."""
+    victim's worker is killed while its agent is frozen (no link ends: the eviction waits
+    for the heartbeat window), so re-forming in place times out; the survivor's workers
+    exit and its agent restarts them from the newest checkpoint (the restart path), and
+    the run still completes exactly. (A killed agent is evicted at once by its link.)"""
     client = slurm_cluster.client
     wait_idle_nodes(client, 2)
     train_args = [
@@ -230,15 +231,20 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
         )  # fmt: skip
         keep, victim = sorted(start, key=lambda p: start[p])  # rank 0's node hosts the store
         keep_task = task_of(keep)[0]
+        victim_agent = parent_of(victim)
         t1 = time.time()
-        for pid in (parent_of(victim), victim):
+        for pid, sig in ((victim_agent, signal.SIGSTOP), (victim, signal.SIGKILL)):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        after = wait_for(
-            lambda: current_members(tmp_path, 1, t1),
-            180,
-            f"the survivor to train again alone\n{logs(tmp_path)}",
-        )
+                os.kill(pid, sig)
+        try:
+            after = wait_for(
+                lambda: current_members(tmp_path, 1, t1),
+                180,
+                f"the survivor to train again alone\n{logs(tmp_path)}",
+            )
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim_agent, signal.SIGKILL)  # its task ends; the survivor goes on
         (survivor,) = after
         assert survivor != keep, "the fallback restarts the workers: a new process"
         assert task_of(survivor)[0] == keep_task, "restarted by the surviving task's agent"

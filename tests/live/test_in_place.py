@@ -8,6 +8,7 @@ every sample once per epoch, and that the final parameters match the uninterrupt
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -161,8 +162,11 @@ def test_spare_is_promoted_in_place_when_a_member_leaves(
 
 
 def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: list[LiveRun]) -> None:
-    # The dead node is evicted after ~1.5-2.5 s; the workers wait only 0.5 s for a new
-    # round, so they exit and the agent restarts them from the last checkpoint.
+    # Node b's workers die (their sockets reset: a's collective fails at once) while its
+    # agent is frozen: no link ends, so b is evicted only after its heartbeat window,
+    # ~1.5-2.5 s. The workers wait only 0.5 s for a new round, so they exit and the agent
+    # restarts them from the last checkpoint. (A killed agent is evicted at once by its
+    # link, and the in-place re-formation would succeed.)
     steps = 300
     args = ("--reform-timeout", "0.5", "--save-every", "10")
     a = LiveRun(tmp_path, "fb1", "1:2", "a", *args, steps=steps, agent_args=("--max-restarts", "1"))
@@ -177,7 +181,10 @@ def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: lis
         "a world of 4 training",
     )
     a_pids = a.worker_pids()
-    b.kill_node()
+    b_workers = b.worker_pids()
+    os.killpg(b.proc.pid, signal.SIGSTOP)  # the agent (its workers run in their own sessions)
+    for pid in b_workers:
+        os.kill(pid, signal.SIGKILL)
     assert a.wait(150) == ExitCode.FINISHED, a.log()
     records = ledger(tmp_path)
     last = [r for r in records if r["step"] == steps]
