@@ -5,7 +5,9 @@ reader compares it with its own clock, so clock skew shifts detection, and every
 rewrites the whole state each interval. Here instead:
 
 * every member increments a counter in its own file ``hb/<node>`` every interval
-  (written in place: one ``open`` per beat);
+  (written in place: one ``open`` per beat); after the counter, a seated member's file
+  holds its link record (:mod:`.link`: a killed agent is found at once through it,
+  while this window decides every silent loss);
 * every member watches only its ring *successors* (members sorted by name): it walks
   them in order and stops after ``successors`` of them that look alive, so a member
   reads ``successors`` files per interval in the steady state (more only while some
