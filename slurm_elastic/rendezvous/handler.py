@@ -68,7 +68,7 @@ from slurm_elastic.rendezvous.decisions import (
 from slurm_elastic.rendezvous.executor import OpLoop, Timing
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
 from slurm_elastic.rendezvous.join_intents import IntentBoard
-from slurm_elastic.rendezvous.link import ProcessLink, Target
+from slurm_elastic.rendezvous.member_links import MemberLinks
 from slurm_elastic.rendezvous.options import RendezvousOptions
 from slurm_elastic.rendezvous.resolver import check_reverse_lookup_once
 from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
@@ -176,9 +176,9 @@ class SlurmRendezvousHandler(RendezvousHandler):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._link: ProcessLink | None = None
-        self._link_failed = False
-        self._linked: dict[str, Node] = {}  # the nodes the link watches, by name
+        self._links = MemberLinks(
+            self._node, self._monitor, lambda: self._wake.set(), run_id
+        )  # fmt: skip
         self._round: int | None = None
         self._world: int | None = None  # the size of the round last returned
         self._seat: Seat | None = None
@@ -263,7 +263,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
                     return
                 if wake.is_set():  # a link ended: judge it now, not at the next tick
                     wake.clear()
-                    self._evict_lost_links(backend)
+                    self._evict_gone(backend)
                 started = time.monotonic()
                 if started < next_tick:
                     continue
@@ -282,72 +282,19 @@ class SlurmRendezvousHandler(RendezvousHandler):
                         )
                         if dead:
                             self._evict(backend, [nodes[name] for name in dead])
-                        self._watch_links(view, nodes)
+                        self._links.watch(view, nodes)
                     else:
-                        self._watch_links(view, {})
+                        self._links.watch(view, {})
                 except Exception as exc:  # the watcher must outlive transient FS errors
                     log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
         finally:
             backend.close()
 
-    def _watch_links(self, view: Readable, nodes: dict[str, Node]) -> None:
-        """Hold links to the participants this node watches, once it is one itself.
-
-        Only in a complete round: a lost participant breaks training, while a waiting
-        node or a spare can wait for its heartbeat window. The link starts (and its
-        record is published with a beat) the first time this node is seated.
-        """
-        seated = view.complete and view.where(self._node) == PARTICIPANTS
-        if not seated:
-            if self._link is not None:
-                self._link.watch({})
-            return
-        if self._link is None and not self._link_failed:
-            try:
-                self._link = ProcessLink(on_lost=lambda: self._wake.set())
-            except OSError as exc:  # the heartbeat window still detects every loss
-                self._link_failed = True
-                log.warning(
-                    "rendezvous %r: no link listener (%s); a killed node is evicted "
-                    "after the heartbeat window only",
-                    self._run_id,
-                    exc,
-                )
-                return
-            self._monitor.link_record = self._link.record
-            self._monitor.beat()
-        if self._link is None:
-            return
-        targets: dict[str, Target] = {}
-        for name, node in nodes.items():
-            record = self._monitor.record_of(name)
-            if record and view.where(node) == PARTICIPANTS:
-                targets[name] = Target(node.addr, record)
-        self._linked = {name: nodes[name] for name in targets}
-        self._link.watch(targets)
-
-    def _evict_lost_links(self, backend: FileRendezvousBackend) -> None:
-        """Evict the watched nodes whose verified link ended (their process is gone).
-
-        Only a node that is still a member and whose heartbeat file still holds the
-        record the link was verified against: a node that left (its file is removed
-        first) or left and joined again (a new record) is not evicted.
-        """
-        if self._link is None:
-            return
-        lost = self._link.lost()
-        if not lost:
-            return
+    def _evict_gone(self, backend: FileRendezvousBackend) -> None:
+        """Evict the watched members whose verified link ended (their process is gone)."""
         try:
             _, view = backend.view()
-            dead = []
-            for name, target in lost:
-                node = self._linked.get(name)
-                if node is None or view.where(node) is None:
-                    continue
-                if self._monitor.read_record(name) != target.record:
-                    continue
-                dead.append(node)
+            dead = self._links.gone(view)
             if dead:
                 self._evict(backend, dead, cause="link")
         except Exception as exc:  # the heartbeat window still decides
@@ -355,15 +302,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
 
     def verified_links(self) -> frozenset[str]:
         """The nodes this node holds a verified link to now (names)."""
-        link = self._link
-        return frozenset(link.verified()) if link is not None else frozenset()
-
-    def _close_link(self) -> None:
-        link, self._link = self._link, None
-        self._linked = {}
-        self._monitor.link_record = b""
-        if link is not None:
-            link.close()
+        return self._links.verified()
 
     def _evict(
         self, backend: FileRendezvousBackend, dead: list[Node], cause: str = "heartbeat"
@@ -599,7 +538,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
                 self._deadline(self._options.close_timeout_s),
             )
         self._monitor.remove()
-        self._close_link()  # after leaving: its end is then no evidence against this node
+        self._links.close()  # after leaving: its end is then no evidence against this node
         self._round = self._world = self._seat = None
         self._seated_round = None
         self._seated_world = 0
@@ -628,7 +567,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
             )
             ok = False
         self._monitor.remove()
-        self._close_link()
+        self._links.close()
         return ok
 
 
