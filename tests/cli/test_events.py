@@ -170,3 +170,29 @@ def test_sharded_checkpoint_events_keep_their_kind(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path)], env=env, check=True, timeout=120)
     got = [(e.kind, e.get("step"), e.get("format")) for e in read_events(tmp_path / "ev")]
     assert got == [("checkpoint.saved", 5, "sharded"), ("checkpoint.loaded", 5, "sharded")]
+
+
+def test_status_says_why_a_node_was_evicted() -> None:
+    """``rendezvous.evicted`` carries its cause: a killed agent (its link closed) or a
+    silent one (no heartbeat for the window); the status shows which."""
+    from slurm_elastic.cli.summary import summarize_run
+
+    def node(pid: int, name: str, rank: int, t: float) -> list[events.Event]:
+        base = {"host": "h", "pid": pid, "run_id": "r"}
+        return [
+            events.AgentStart(time=t, **base),
+            events.RendezvousComplete(
+                time=t + 1, round=0, rank=rank, world_size=3, node=name, **base
+            ),
+        ]
+
+    evs = [*node(1, "h_1_0", 0, 0.0), *node(2, "h_2_0", 1, 0.0), *node(3, "h_3_0", 2, 0.0)]
+    watcher = {"host": "h", "pid": 1, "run_id": "r"}
+    evs += [
+        events.RendezvousEvicted(time=5.0, nodes=["h_2_0"], cause="link", **watcher),
+        events.RendezvousEvicted(time=9.0, nodes=["h_3_0"], **watcher),  # heartbeat
+    ]
+    summary = summarize_run("r", "/nowhere", evs, now=10.0)
+    states = {n.rank: n.state for n in summary.nodes.values()}
+    assert states[1] == "evicted (process gone)"
+    assert states[2] == "evicted (no heartbeat)"
