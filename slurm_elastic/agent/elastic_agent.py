@@ -66,7 +66,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
-from slurm_elastic import _startup_seam, events, notice
+from slurm_elastic import _startup_seam, events, notice, procstat
 from slurm_elastic.agent.round_store import RoundBoundStore
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.errors import RoundLostError
@@ -92,18 +92,9 @@ def _round_of(handler: RendezvousHandler) -> int:
 
 def _stopped(pids: Iterable[object]) -> list[int]:
     """The processes among ``pids`` that are stopped (SIGSTOP or a tracer): hung here."""
-    found = []
-    for pid in pids:
-        if not isinstance(pid, int):
-            continue
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[-1].split()
-        except OSError:
-            continue
-        if fields and fields[0] in (b"T", b"t"):
-            found.append(pid)
-    return found
+    return [
+        pid for pid in pids if isinstance(pid, int) and (st := procstat.read(pid)) and st.stopped
+    ]
 
 
 def _dynamic_handler_round(handler: object) -> int | None:

@@ -21,6 +21,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from slurm_elastic import procstat
+
 __all__ = ["PREFIX", "create", "sweep"]
 
 log = logging.getLogger(__name__)
@@ -31,17 +33,8 @@ _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)\.(\d+)-")
 
 def _start_time(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot), or ``None`` if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22 of the line: starttime
-    except (IndexError, ValueError):
-        return None
+    found = procstat.read(pid)
+    return None if found is None else found.start_time
 
 
 def create() -> Path:

@@ -18,6 +18,8 @@ import subprocess
 import time
 from collections.abc import Iterable, Sequence
 
+from slurm_elastic import procstat
+
 __all__ = ["ProcessKey", "alive", "descendants", "stop_tree"]
 
 log = logging.getLogger(__name__)
@@ -26,26 +28,11 @@ log = logging.getLogger(__name__)
 ProcessKey = tuple[int, int]
 
 
-def _stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, start time, state) of ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    # the command name (field 2) may contain spaces and parentheses: split after the last ')'
-    fields = raw[raw.rfind(")") + 2 :].split()
-    try:
-        return int(fields[1]), int(fields[19]), fields[0]
-    except (IndexError, ValueError):
-        return None
-
-
-def _table() -> dict[int, tuple[int, int, str]]:
+def _table() -> dict[int, procstat.ProcStat]:
     out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            info = _stat(int(entry))
+            info = procstat.read(int(entry))
             if info is not None:
                 out[int(entry)] = info
     return out
@@ -55,22 +42,22 @@ def descendants(roots: Iterable[int]) -> set[ProcessKey]:
     """Every live descendant of ``roots`` (not the roots themselves)."""
     table = _table()
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
     found: set[ProcessKey] = set()
     stack = list(roots)
     while stack:
         for child in children.get(stack.pop(), ()):
-            if table[child][2] != "Z":
-                found.add((child, table[child][1]))
+            if table[child].state != "Z":
+                found.add((child, table[child].start_time))
                 stack.append(child)
     return found
 
 
 def alive(key: ProcessKey) -> bool:
     """Whether the process ``key`` still exists and is not a zombie."""
-    info = _stat(key[0])
-    return info is not None and info[1] == key[1] and info[2] != "Z"
+    info = procstat.read(key[0])
+    return info is not None and info.start_time == key[1] and info.state != "Z"
 
 
 def _signal(key: ProcessKey, sig: signal.Signals) -> None:
