@@ -230,19 +230,21 @@ class SlurmElasticAgent(LocalElasticAgent):
         state = result.state
         if self._leaving_since is not None:
             return self._monitor_leaving(result)
-        if state == WorkerState.HEALTHY and self._is_hung():
+        timeout = self._hang_timeout_s
+        age = (
+            self._progress.age_s() if timeout is not None and state == WorkerState.HEALTHY else 0.0
+        )
+        local_hang = False
+        if state == WorkerState.HEALTHY and timeout is not None and age > timeout:
             stopped = _stopped(w.id for w in worker_group.workers)
             peers = (worker_group.group_world_size or 1) > 1
-            grace_until = (self._hang_timeout_s or 0.0) + self._membership_grace_s
-            deferred = self._progress.age_s() <= grace_until
-            if not stopped and peers and deferred:
+            if not stopped and peers and age <= timeout + self._membership_grace_s:
                 # Every local worker runs: they may wait in a collective for a hung worker
                 # elsewhere, whose agent restarts it and leaves the round at once. Give
                 # that a grace: the membership change then re-forms these in place
                 # (torch's loop sees num_nodes_waiting() > 0; issue 22: the others stay).
                 self._last_state = WorkerState.HEALTHY
                 return result
-            age = self._progress.age_s()
             log.warning(
                 "no training progress for %.1f s (hang_timeout_s=%s%s): restarting workers",
                 age,
@@ -258,11 +260,12 @@ class SlurmElasticAgent(LocalElasticAgent):
                 # The hang is here: leave the round now, so the other nodes re-form (in
                 # place) without waiting for this restart; it joins again as it restarts.
                 handler.leave()
+            local_hang = bool(stopped)  # this node's own failure: charged at once
             # FAILED, not UNHEALTHY: torch reports an UNHEALTHY result as not failed.
             result = RunResult(state=WorkerState.FAILED)
             state = result.state
         if state == WorkerState.FAILED:
-            if self._membership_changes_within(self._membership_grace_s):
+            if not local_hang and self._membership_changes_within(self._membership_grace_s):
                 # A peer left, died or joined: the survivors' collectives failed through
                 # no fault of theirs. Reported as healthy, torch's own membership path
                 # (num_nodes_waiting() > 0) restarts the group without charging
@@ -279,9 +282,6 @@ class SlurmElasticAgent(LocalElasticAgent):
             events.emit(events.WorkersSucceeded())
         self._last_state = state
         return result
-
-    def _is_hung(self) -> bool:
-        return self._hang_timeout_s is not None and self._progress.age_s() > self._hang_timeout_s
 
     def _membership_changes_within(self, seconds: float) -> bool:
         handler = self._worker_group.spec.rdzv_handler

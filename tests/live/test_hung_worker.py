@@ -80,6 +80,11 @@ def test_a_hung_worker_is_restarted_by_its_agent_and_the_other_node_stays_in_pla
     assert_close_to_reference(tmp_path, steps)
     events = list(read_events(tmp_path / "state" / "events" / run_id))
     hangs = [e for e in events if e["kind"] == "agent.hang"]
-    assert hangs, "b's hang watchdog must have acted"
+    assert [e["pid"] for e in hangs] == [b.proc.pid], "only b's hang watchdog acts"
+    restarts = [e for e in events if e["kind"] == "agent.restart" and e["pid"] == b.proc.pid]
+    # its own failure: charged at once, not after waiting the eviction window (5 s) for
+    # a membership change (its own leave is none)
+    assert restarts and restarts[0]["reason"] == "failure", restarts
+    assert restarts[0].time - hangs[0].time < 2.5, (hangs[0].time, restarts[0].time)
     reformed = [e for e in events if e["kind"] == "live.reformed" and e["pid"] in a_pids]
     assert reformed, "a's workers must have re-formed in place"
