@@ -299,23 +299,25 @@ class FaultRun:
             self._round_at[since] = max(
                 (r.get("round", -1) for r in tail if r.get("time", 0) < since), default=-1
             )
-        old = self._round_at[since]
-        seen = {
-            r["rank"]
+        return len({r["rank"] for r in self._steps_after(tail, world, since)}) == world
+
+    def _steps_after(
+        self, tail: list[dict[str, Any]], world: int, since: float
+    ) -> list[dict[str, Any]]:
+        """Ledger steps at world size ``world`` after ``since``, in a later round than the
+        one :meth:`training_at` saw training at ``since`` (any round without ``new_round``)."""
+        old = self._round_at.get(since, -1)
+        return [
+            r
             for r in tail
             if r.get("world") == world and r.get("time", 0) >= since and r.get("round", 0) > old
-        }
-        return len(seen) == world
+        ]
 
-    def first_step_at(self, world: int, since: float) -> float:
-        """The time of the first ledger step at world size ``world`` after ``since`` in a
-        later round than the one training at ``since`` (after :meth:`training_at`)."""
-        old = self._round_at.get(since, -1)
-        return min(
-            r["time"]
-            for r in self._ledger_tail()
-            if r.get("world") == world and r.get("time", 0) >= since and r.get("round", 0) > old
-        )
+    def first_step_at(self, world: int, since: float) -> float | None:
+        """The time of the first of those steps (after :meth:`training_at` held), if any
+        (on the restart path ``train.start`` may come before the first step)."""
+        steps = self._steps_after(self._ledger_tail(), world, since)
+        return min((r["time"] for r in steps), default=None)
 
     def wait_training(
         self, world: int, since: float, timeout: float, what: str, new_round: bool = False

@@ -188,15 +188,19 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
             run.wait_training(
                 TASKS - 1, t0, FROZEN_BOUND_S + 60, "survivors after a frozen node", new_round=True
             )
-            took = run.first_step_at(TASKS - 1, t0) - t0
+            first = wait_for(
+                lambda: run.first_step_at(TASKS - 1, t0), 60, "a step at 2", interval=0.2
+            )
+            took = first - t0
         finally:
             for proc in frozen:
                 run.kill(proc, signal.SIGCONT)
         print(f"frozen node: the survivors trained at {TASKS - 1} {took:.2f} s after the stop")
-        assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
         evicted = run.events(t0, "rendezvous.evicted")
         assert evicted and {e["cause"] for e in evicted} == {"heartbeat"}, evicted
-        if PATH == "in-place":
+        if PATH == "in-place":  # the bound is the in-place path's (the restart path first
+            # gives the blocked workers the notice and waits shutdown_timeout_s for them)
+            assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
             assert run.events(t0, "live.collective_aborted"), "no blocked collective aborted"
         _recovered(run, t0, "a frozen node, thawed")
 
