@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from slurm_elastic import ledger as ledger_records
+from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -114,6 +115,18 @@ def ledger(tmp: Path) -> list[dict[str, Any]]:
 
 def steps_done(tmp: Path) -> int:
     return ledger_records.steps_done(ledger(tmp))
+
+
+def wait_world_of_4(tmp: Path, min_steps: int = 0, timeout: float = 120) -> None:
+    """Wait until 4 workers (2 nodes x 2) train in one world and ``min_steps`` are done."""
+    wait_for(
+        lambda: (
+            len({r["pid"] for r in ledger(tmp) if r["world"] == 4}) == 4
+            and steps_done(tmp) >= min_steps
+        ),
+        timeout,
+        "a world of 4 training",
+    )
 
 
 def assert_each_sample_once(records: list[dict[str, Any]], steps: int) -> None:

@@ -18,8 +18,7 @@ import pytest
 from slurm_elastic.agent import ExitCode
 from slurm_elastic.cli.goodput import account
 from slurm_elastic.events import LiveReformed, read_events
-from tests.helpers import wait_for
-from tests.live.conftest import LiveRun, ledger, redone_steps, steps_done
+from tests.live.conftest import LiveRun, ledger, redone_steps, wait_world_of_4
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -42,14 +41,7 @@ def test_goodput_of_a_hard_loss_in_place_agrees_with_the_ledger(
     a = LiveRun(tmp_path, "gp1", "1:2", "a", "--commit-every", "5", steps=steps)
     b = LiveRun(tmp_path, "gp1", "1:2", "b", "--commit-every", "5", steps=steps)
     nodes += [a, b]
-    wait_for(
-        lambda: (
-            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
-            and steps_done(tmp_path) >= 30
-        ),
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path, min_steps=30)
     b.kill_node()
     assert a.wait(150) == ExitCode.FINISHED, a.log()
 

@@ -28,7 +28,7 @@ from tests.live.conftest import (
     assert_each_sample_once,
     ledger,
     redone_steps,
-    steps_done,
+    wait_world_of_4,
 )
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -44,14 +44,7 @@ def test_a_hung_worker_is_restarted_by_its_agent_and_the_other_node_stays_in_pla
     a = LiveRun(tmp_path, run_id, "2:2", "a", steps=steps, agent_args=args)
     b = LiveRun(tmp_path, run_id, "2:2", "b", steps=steps, agent_args=args)
     nodes += [a, b]
-    wait_for(
-        lambda: (
-            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
-            and steps_done(tmp_path) >= 20
-        ),
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path, min_steps=20)
     a_pids, b_pids = a.worker_pids(), b.worker_pids()
     hung = max(b_pids)
     stopped_at = time.time()

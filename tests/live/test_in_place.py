@@ -24,6 +24,7 @@ from tests.live.conftest import (
     ledger,
     redone_steps,
     steps_done,
+    wait_world_of_4,
 )
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -68,14 +69,7 @@ def test_graceful_leave_in_place_keeps_survivors(tmp_path: Path, nodes: list[Liv
     a = LiveRun(tmp_path, "leave1", "1:2", "a", steps=steps)
     b = LiveRun(tmp_path, "leave1", "1:2", "b", steps=steps)
     nodes += [a, b]
-    wait_for(
-        lambda: (
-            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
-            and steps_done(tmp_path) >= 20
-        ),
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path, min_steps=20)
     b_pids = b.worker_pids()
     a_pids = a.worker_pids()
     b.signal(signal.SIGUSR2)
@@ -104,14 +98,7 @@ def test_hard_loss_rolls_back_and_reforms_in_place(
     a = LiveRun(tmp_path, "hard1", "1:2", "a", *extra, steps=steps)
     b = LiveRun(tmp_path, "hard1", "1:2", "b", *extra, steps=steps)
     nodes += [a, b]
-    wait_for(
-        lambda: (
-            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
-            and steps_done(tmp_path) >= 20
-        ),
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path, min_steps=20)
     a_pids = a.worker_pids()
     killed_at = steps_done(tmp_path)
     b.kill_node()
@@ -136,11 +123,7 @@ def test_spare_is_promoted_in_place_when_a_member_leaves(
     a = LiveRun(tmp_path, "spare1", "1:2", "a", steps=steps, step_time=pace)
     b = LiveRun(tmp_path, "spare1", "1:2", "b", steps=steps, step_time=pace)
     nodes += [a, b]
-    wait_for(
-        lambda: len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4,
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path)
     spare = LiveRun(tmp_path, "spare1", "1:2", "c", steps=steps, step_time=pace)
     nodes.append(spare)
     wait_for(lambda: "spare" in spare.log() or spare.worker_pids() == set(), 30, "the spare")
@@ -172,14 +155,7 @@ def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: lis
     a = LiveRun(tmp_path, "fb1", "1:2", "a", *args, steps=steps, agent_args=("--max-restarts", "1"))
     b = LiveRun(tmp_path, "fb1", "1:2", "b", *args, steps=steps, agent_args=("--max-restarts", "1"))
     nodes += [a, b]
-    wait_for(
-        lambda: (
-            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
-            and steps_done(tmp_path) >= 25
-        ),
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path, min_steps=25)
     a_pids = a.worker_pids()
     b_workers = b.worker_pids()
     os.killpg(b.proc.pid, signal.SIGSTOP)  # the agent (its workers run in their own sessions)
@@ -250,11 +226,7 @@ def test_workers_of_a_sigkilled_agent_leave_instead_of_training_on_as_orphans(
     a = LiveRun(tmp_path, "orphan1", "1:2", "a", steps=steps, step_time=pace)
     b = LiveRun(tmp_path, "orphan1", "1:2", "b", steps=steps, step_time=pace)
     nodes += [a, b]
-    wait_for(
-        lambda: len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4,
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path)
     a_pids, b_pids = a.worker_pids(), b.worker_pids()
     b.signal(signal.SIGKILL)  # the agent only: its workers live on
     b.wait(10)

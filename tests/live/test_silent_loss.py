@@ -24,6 +24,7 @@ from tests.live.conftest import (
     ledger,
     redone_steps,
     steps_done,
+    wait_world_of_4,
 )
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -43,14 +44,7 @@ def test_frozen_node_costs_survivors_at_most_the_eviction_window_plus_5s(
     a = LiveRun(tmp_path, run_id, "1:2", "a", steps=steps)
     b = LiveRun(tmp_path, run_id, "1:2", "b", steps=steps)
     nodes += [a, b]
-    wait_for(
-        lambda: (
-            len({r["pid"] for r in ledger(tmp_path) if r["world"] == 4}) == 4
-            and steps_done(tmp_path) >= 20
-        ),
-        120,
-        "a world of 4 training",
-    )
+    wait_world_of_4(tmp_path, min_steps=20)
     # rank 0 (the node hosting the round's store) or the other one
     rank0_pid = next(r["pid"] for r in ledger(tmp_path) if r["world"] == 4 and r["rank"] == 0)
     a_is_host = rank0_pid in a.worker_pids()
