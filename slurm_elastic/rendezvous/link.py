@@ -11,9 +11,10 @@ reset) within a round trip. That is proof, and it needs no window.
 How, per agent (one :class:`ProcessLink`):
 
 * A listening TCP socket (any free port, every address: the advertised name may resolve
-  to another local address than the one peers reach) and a random 16-byte secret. Both go into the agent's heartbeat file after its counter
-  (:meth:`ProcessLink.record`); that directory is private to the run's user, so only the
-  run's agents can read the secret.
+  to another local address than the one peers reach) and a random 16-byte secret. Both
+  go into the agent's heartbeat file after its counter (:attr:`ProcessLink.record`);
+  that directory is private to the run's user, so only the run's agents can read the
+  secret.
 * A watcher holds one connection to each ring successor that it watches
   (:meth:`ProcessLink.watch`, called by the heartbeat thread with the successors it
   reads anyway). It sends a 16-byte nonce; the successor answers
