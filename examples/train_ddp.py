@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument(
+        "--pace-until-world",
+        type=int,
+        default=0,
+        help="with --step-time: pause only while the world has fewer ranks than this "
+        "(a test's member trains slowly until newcomers have joined, then at full speed)",
+    )
+    p.add_argument(
         "--checkpoint-dir",
         default=None,
         help="default: $SLURM_ELASTIC_CHECKPOINT_DIR (set by the agent)",
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         sched.step()
         if s.rank == 0 and (s.step + 1) % 10 == 0:
             print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}", flush=True)
-        if args.step_time:
+        if args.step_time and s.world_size < (args.pace_until_world or s.world_size + 1):
             time.sleep(args.step_time)
 
     loop.start()

@@ -37,13 +37,16 @@ def events(tmp: Path, run_id: str) -> list[dict]:
 def test_join_in_place_keeps_workers_and_loses_no_step(
     tmp_path: Path, nodes: list[LiveRun]
 ) -> None:
-    steps = 300
-    a = LiveRun(tmp_path, "join1", "1:2", "a", steps=steps)
+    # node a trains slowly until b is in (a budget of 57 s for b to start), then at full
+    # speed: it cannot finish before the join on a slow machine
+    steps, slow = 300, {"step_time": 0.2}
+    paced = ("--pace-until-world", "4")
+    a = LiveRun(tmp_path, "join1", "1:2", "a", *paced, steps=steps, **slow)
     nodes.append(a)
     wait_for(lambda: steps_done(tmp_path) >= 15, 90, "node a to train alone")
     a_pids = {r["pid"] for r in ledger(tmp_path)}
     assert len(a_pids) == 2
-    b = LiveRun(tmp_path, "join1", "1:2", "b", steps=steps)
+    b = LiveRun(tmp_path, "join1", "1:2", "b", *paced, steps=steps, **slow)
     nodes.append(b)
     assert a.wait(180) == ExitCode.FINISHED, a.log()
     assert b.wait(60) == ExitCode.FINISHED, b.log()
@@ -180,12 +183,13 @@ def test_join_on_the_restart_path_saves_first_and_loses_no_step(
     # restarting them for the newcomer, so they save the current step first.
     steps = 300
     env = {"SLURM_ELASTIC_IN_PLACE": "0"}
-    args = ("--save-every", "1000")
-    a = LiveRun(tmp_path, "rs1", "1:2", "a", *args, steps=steps, env=env)
+    # slow until b is in (57 s of budget), then at full speed (see the in-place join)
+    args = ("--save-every", "1000", "--pace-until-world", "4")
+    a = LiveRun(tmp_path, "rs1", "1:2", "a", *args, steps=steps, step_time=0.2, env=env)
     nodes.append(a)
     wait_for(lambda: steps_done(tmp_path) >= 15, 90, "node a to train alone")
     a_pids = {r["pid"] for r in ledger(tmp_path)}
-    b = LiveRun(tmp_path, "rs1", "1:2", "b", *args, steps=steps, env=env)
+    b = LiveRun(tmp_path, "rs1", "1:2", "b", *args, steps=steps, step_time=0.2, env=env)
     nodes.append(b)
     assert a.wait(180) == ExitCode.FINISHED, a.log()
     assert b.wait(60) == ExitCode.FINISHED, b.log()
@@ -252,12 +256,15 @@ def test_newcomers_filling_max_nodes_seat_the_training_member_first(
     # fix the newcomers could fill the next round while the member's agent re-joined
     # through the wait list: they resumed from the checkpoint while the member's
     # workers trained on in the old round (two trainings at once: steps run twice).
-    steps, pace = 400, 0.05
+    # Starting 4 agents and 6 workers takes 20-35 s on a loaded 2-core machine: node a
+    # trains slowly (0.25 s a step: 95 s of budget) until the world has grown to 8, then
+    # at full speed, so it cannot finish before the newcomers are in.
+    steps, pace, paced = 400, 0.25, ("--pace-until-world", "8")
     # Node a's address sorts after the newcomers' (127.0.0.0/8 is all loopback): a
     # merge of join intents takes nodes in name order, so without seats kept for the
     # members a would be the one left out (on separate hosts the order is arbitrary).
     a = LiveRun(
-        tmp_path, "seat1", "1:4", "a", steps=steps, step_time=pace,
+        tmp_path, "seat1", "1:4", "a", *paced, steps=steps, step_time=pace,
         agent_args=("--local-addr", "127.0.0.9"),
     )  # fmt: skip
     nodes.append(a)
@@ -265,7 +272,7 @@ def test_newcomers_filling_max_nodes_seat_the_training_member_first(
     a_pids = a.worker_pids()
     assert len(a_pids) == 2
     newcomers = [
-        LiveRun(tmp_path, "seat1", "1:4", name, steps=steps, step_time=pace)
+        LiveRun(tmp_path, "seat1", "1:4", name, *paced, steps=steps, step_time=pace)
         for name in ("b", "c", "d", "e")
     ]
     nodes += newcomers
