@@ -219,6 +219,7 @@ class SlurmElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The round number lets workers tell a later assignment from a stale one.
         os.environ[control.ROUND_ENV] = str(_round_of(worker_group.spec.rdzv_handler))
+        events.compact()  # the event files of this node's stopped workers: into its archive
         started = super()._start_workers(worker_group)
         _startup_seam.pause("workers_start")  # tests only: a notice as the workers start
         return started
@@ -363,6 +364,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         after_loss = isinstance(handler, RoundWatching) and handler.round_lost()
         with seat:  # newcomers must not take every seat while these workers train
             self._rendezvous(worker_group)  # the workers keep training meanwhile
+        events.compact()  # files of this node's gone processes (agents of earlier nodes)
         if control.registered_workers(self._control_dir) != pids:
             # They withdrew while this node waited for a place: the round the others
             # switched to filled max_nodes without it (it waited as a spare), so they

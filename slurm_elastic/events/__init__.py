@@ -34,6 +34,10 @@ agent sets for its workers; with no sink configured :func:`emit` does nothing, s
 code may call it unconditionally. Event files are created 0600 and opened without
 following a symbolic link (``O_NOFOLLOW``): the directory lives on a shared filesystem.
 
+The directory stays bounded over a long job: each agent merges the files of its node's
+processes that are gone into the node's archive, ``<host>.archive.jsonl``
+(:func:`compact`, at start and before each start of its workers).
+
 The run index (:func:`record_run`, :func:`find_run`) maps a run id (the Slurm job id) to its
 state, events and checkpoint directories, so ``slurm-elastic status JOB`` finds a run after
 Slurm forgot the job.
@@ -42,12 +46,14 @@ The package, one module per concept: :mod:`~slurm_elastic.events.schema` (the re
 layout and :class:`Event`), :mod:`~slurm_elastic.events.kinds` (every kind,
 :data:`EVENT_TYPES`), :mod:`~slurm_elastic.events.records` (a record back to its typed
 event, type-checked), :mod:`~slurm_elastic.events.writer` (:func:`emit`),
-:mod:`~slurm_elastic.events.reader` (:func:`read_events`) and
+:mod:`~slurm_elastic.events.reader` (:func:`read_events`),
+:mod:`~slurm_elastic.events.compact` (:func:`compact`) and
 :mod:`~slurm_elastic.events.run_index` (:func:`record_run`, :func:`find_run`). Everything
 is importable from here (``from slurm_elastic import events; events.emit(...)``).
 """
 
 from slurm_elastic.envvars import EVENTS_DIR_ENV
+from slurm_elastic.events.compact import compact
 from slurm_elastic.events.kinds import (
     EVENT_TYPES,
     AgentExit,
@@ -128,6 +134,7 @@ __all__ = [
     "UnknownEvent",
     "WorkersStarted",
     "WorkersSucceeded",
+    "compact",
     "emit",
     "event_from_record",
     "find_run",

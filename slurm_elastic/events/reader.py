@@ -9,6 +9,7 @@ malformed line is skipped with a warning naming the file and the line, a torn la
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from slurm_elastic.events.compact import ARCHIVE
 from slurm_elastic.events.records import event_from_record
 from slurm_elastic.events.schema import Event
 
@@ -145,8 +147,12 @@ def _parse(line: bytes) -> dict[str, Any]:
     return record
 
 
-def _file_events(path: Path) -> Iterator[Event]:
-    """The well-formed events of one file; the rest skipped with a warning."""
+def _file_events(path: Path, seen: set[bytes]) -> Iterator[Event]:
+    """The well-formed events of one file; the rest skipped with a warning.
+
+    A line already in ``seen`` (digests of the lines read) is dropped: an archive may
+    hold a record twice after a crash while merging (:mod:`.compact`).
+    """
     fh = _open_events_file(path)
     if fh is None:
         return
@@ -155,6 +161,11 @@ def _file_events(path: Path) -> Iterator[Event]:
         for where, line in _file_lines(path, fh):
             if line is not None and not line.strip():
                 continue
+            if line is not None:
+                digest = hashlib.blake2b(line.rstrip(b"\n"), digest_size=16).digest()
+                if digest in seen:
+                    continue
+                seen.add(digest)
             try:
                 if line is None:
                     raise ValueError(f"longer than {MAX_RECORD_BYTES} bytes")
@@ -169,6 +180,10 @@ def _file_events(path: Path) -> Iterator[Event]:
         _warn(path, f"skipped {bad - _MAX_WARNINGS} more malformed lines of {str(path)!r}")
 
 
+def _is_archive(path: Path) -> bool:
+    return path.name.endswith(f".{ARCHIVE}.jsonl")
+
+
 def read_events(directory: str | os.PathLike[str]) -> Iterator[Event]:
     """Yield every well-formed event under ``directory``, ordered by time.
 
@@ -177,10 +192,20 @@ def read_events(directory: str | os.PathLike[str]) -> Iterator[Event]:
     :data:`MAX_EVENTS_FILE_BYTES` of a file), never through a link, never a FIFO or
     device. A malformed line (not JSON, no event, a field not of its declared type) is
     skipped with a warning naming the file and the line; a torn last line silently.
-    Unknown kinds come back as :class:`UnknownEvent`. A missing directory yields nothing.
+    Unknown kinds come back as :class:`UnknownEvent`. A record read twice (the same line,
+    in a node's archive and in the file it was merged from: :mod:`.compact`) is yielded
+    once; a file merged into its archive while this reads is read from the archive. A
+    missing directory yields nothing.
     """
     out: list[Event] = []
-    for path in sorted(Path(directory).glob("*.jsonl")):
-        out.extend(_file_events(path))
+    seen: set[bytes] = set()
+    paths = sorted(Path(directory).glob("*.jsonl"))
+    for path in paths:
+        out.extend(_file_events(path, seen))
+    if any(not _is_archive(p) and not os.path.lexists(p) for p in paths):
+        # merged while this read: its lines were appended to its node's archive before
+        # it was removed, so the archives read now hold them (what was read is dropped)
+        for path in sorted(Path(directory).glob(f"*.{ARCHIVE}.jsonl")):
+            out.extend(_file_events(path, seen))
     out.sort(key=lambda e: e.time)
     yield from out

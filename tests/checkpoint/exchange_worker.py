@@ -88,9 +88,8 @@ def main() -> None:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        # generous: ranks start seconds apart on a loaded 2-core machine; in the attack
-        # case the victims' mismatched collectives end at this timeout
-        timeout=timedelta(seconds=30 if case == "pickle_attack" else 60),
+        # generous: ranks start seconds apart on a loaded 2-core machine
+        timeout=timedelta(seconds=60),
     )
     out: dict[str, Any] = {"rank": rank}
     try:
@@ -103,18 +102,22 @@ def main() -> None:
             out["none"] = exchange.broadcast_int(None)
         elif case == "pickle_attack":
             # The hostile peer speaks torch's object protocol: a pickle whose loading
-            # runs its code. The victims take their state from it.
+            # runs its code. The victims take their state from it. Every rank is up
+            # (the barrier): the victims' mismatched collectives end at the short
+            # timeout of the group the attack runs on.
+            dist.barrier()
+            attack = dist.new_group(timeout=timedelta(seconds=5))
             if rank == 0:
                 payload: list[Any] = [{"state": Evil(marker), "id": (9, 9)}]
                 try:
-                    dist.broadcast_object_list(payload, src=0)
+                    dist.broadcast_object_list(payload, src=0, group=attack)
                 except Exception as exc:  # the victims do not play along
                     out["attacker_error"] = type(exc).__name__
             else:
                 state, model = victim_state()
                 before = snapshot(model)
                 try:
-                    state.sync(0)
+                    state.sync(0, group=attack)
                     out["victim"] = "accepted"
                 except Exception as exc:
                     out["victim"] = type(exc).__name__

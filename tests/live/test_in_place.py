@@ -256,10 +256,10 @@ def test_newcomers_filling_max_nodes_seat_the_training_member_first(
     # fix the newcomers could fill the next round while the member's agent re-joined
     # through the wait list: they resumed from the checkpoint while the member's
     # workers trained on in the old round (two trainings at once: steps run twice).
-    # Starting 4 agents and 6 workers takes 20-35 s on a loaded 2-core machine: node a
-    # trains slowly (0.25 s a step: 95 s of budget) until the world has grown to 8, then
+    # Starting 4 agents and 6 workers takes 15-35 s on a loaded 2-core machine: node a
+    # trains slowly (0.4 s a step: 74 s of budget) until the world has grown to 8, then
     # at full speed, so it cannot finish before the newcomers are in.
-    steps, pace, paced = 400, 0.25, ("--pace-until-world", "8")
+    steps, pace, paced = 200, 0.4, ("--pace-until-world", "8")
     # Node a's address sorts after the newcomers' (127.0.0.0/8 is all loopback): a
     # merge of join intents takes nodes in name order, so without seats kept for the
     # members a would be the one left out (on separate hosts the order is arbitrary).
