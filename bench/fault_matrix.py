@@ -153,7 +153,7 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "test_soak.py::test_soak_small": (
         "soak: consecutive membership changes (small version of bench/soak.py), both paths",
-        "no growth in RSS, fds, threads, children, rendezvous and checkpoint files",
+        "no growth in RSS, fds, threads, children, rendezvous, checkpoint and event files",
     ),
 }
 
