@@ -84,6 +84,8 @@ def log_sources(location: RunLocation) -> list[LogSource]:
         for rank_text, stdout in sorted(e.logs.items(), key=lambda kv: (len(kv[0]), kv[0])):
             if not _RANK.fullmatch(rank_text) or not Path(stdout).name or "\0" in stdout:
                 where = location.events_dir / f"{e.host}.{e.pid}.jsonl"
+                if not where.exists():  # merged: the process is gone (events.compact)
+                    where = location.events_dir / f"{e.host}.{ev.ARCHIVE}.jsonl"
                 warn(
                     f"skipping the log entry {rank_text!r}: {stdout!r} of the {e.kind} event "
                     f"of time {e.time} in {str(where)!r}: an entry maps a global rank (digits) "

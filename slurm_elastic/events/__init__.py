@@ -53,7 +53,7 @@ is importable from here (``from slurm_elastic import events; events.emit(...)``)
 """
 
 from slurm_elastic.envvars import EVENTS_DIR_ENV
-from slurm_elastic.events.compact import compact
+from slurm_elastic.events.compact import ARCHIVE, compact
 from slurm_elastic.events.kinds import (
     EVENT_TYPES,
     AgentExit,
@@ -95,6 +95,7 @@ from slurm_elastic.events.schema import SCHEMA_VERSION, Event, UnknownEvent
 from slurm_elastic.events.writer import emit
 
 __all__ = [
+    "ARCHIVE",
     "EVENTS_DIR_ENV",
     "EVENT_TYPES",
     "MAX_EVENTS_FILE_BYTES",
