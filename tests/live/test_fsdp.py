@@ -139,3 +139,25 @@ def test_fsdp_hard_loss_restarts_from_checkpoint(
     assert redone_steps(records) <= SAVE_EVERY + 1
     assert_each_sample_once(records, STEPS)
     _assert_close_to_reference(tmp_path)
+
+
+@pytest.mark.parametrize("hsdp", HSDP)
+def test_fsdp_without_membership_change_in_place_equals_the_restart_path_bitwise(
+    tmp_path: Path, nodes: list[LiveRun], hsdp: str
+) -> None:
+    # One node, 2 workers sharding the model: the in-place machinery (its store, the
+    # step-boundary agreement, the commits) must not change one bit of the math.
+    outs = []
+    for mode in ("1", "0"):  # SLURM_ELASTIC_IN_PLACE: in place, then the restart path
+        tmp = tmp_path / f"in_place_{mode}"
+        tmp.mkdir()
+        run = LiveRun(
+            tmp, f"fbit{mode}", "1", "a", "--hsdp", hsdp, "--save-every", str(SAVE_EVERY),
+            steps=40, step_time=0.0, script=SCRIPT, env={"SLURM_ELASTIC_IN_PLACE": mode},
+        )  # fmt: skip
+        nodes.append(run)
+        assert run.wait(180) == ExitCode.FINISHED, run.log()
+        outs.append(torch.load(tmp / "out.pt"))
+    assert outs[0].keys() == outs[1].keys() and outs[0]
+    unequal = [k for k in outs[0] if not torch.equal(outs[0][k], outs[1][k])]
+    assert not unequal, f"parameters differ between in place and the restart path: {unequal}"
