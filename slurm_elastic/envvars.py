@@ -126,7 +126,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         EVENTS_DIR_ENV,
-        "where events are written (JSONL, one file per process); unset: no events",
+        "where events are written (JSONL, one file per live process; each agent merges "
+        "those of its node's gone processes into `<host>.archive.jsonl`); unset: no events",
         "the agent, for itself and its workers",
         "`slurm_elastic.events`; the config (key `events_dir`)",
         config_key="events_dir",
