@@ -56,12 +56,14 @@ def test_goodput_of_a_hard_loss_in_place_agrees_with_the_ledger(
     reformed = [e for e in evs if isinstance(e, LiveReformed) and e.rank == 0]
     assert g.redone_steps == sum(e.redone_steps for e in reformed)
     assert g.redone_steps <= redone_steps(records) <= g.redone_steps + 1
-    # the re-formation took what the workers measured (switch_s; clipped to the gap
-    # between the events, which are stamped by another clock)
-    assert g.seconds["re-formation"] >= max(e.switch_s for e in reformed) - 0.01
+    # the re-formation took what the workers measured (switch_s), clipped to the gap
+    # between the progress points around it: their stamps are steps, so the two agree
+    # to within one step (a fresh-clone run: 0.094 s measured, 0.064 s booked)
+    pace = _pace(records)
+    assert g.seconds["re-formation"] >= max(e.switch_s for e in reformed) - pace
     # useful: the steps trained once at the run's pace (world 4 and world 2 pace alike:
     # the steps are paced by --step-time); lenient, 2 shared cores
     once = steps - g.redone_steps
-    assert g.seconds["useful"] == pytest.approx(once * _pace(records), rel=0.35)
+    assert g.seconds["useful"] == pytest.approx(once * pace, rel=0.35)
     by_round = collections.Counter(r["round"] for r in records if r["rank"] == 0)
     assert len(by_round) >= 2  # it did re-form
