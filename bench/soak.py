@@ -298,7 +298,8 @@ class Soak:
 
     def results(self, leftover: int) -> list[dict[str, Any]]:
         warm = self.samples[2:] if len(self.samples) > 6 else self.samples
-        quarter = max(1, len(warm) // 4)
+        # at least 2 samples a quarter where there are 4: both phases in each quarter
+        quarter = max(2 if len(warm) >= 4 else 1, len(warm) // 4)
         rows: list[dict[str, Any]] = []
         first, last = warm[:quarter], warm[-quarter:]
         for case in (c for c in self.samples[0] if c != WORLD):

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         sched.step()
         if s.rank == 0 and (s.step + 1) % 10 == 0:
             print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}", flush=True)
-        if args.step_time and s.world_size < (args.pace_until_world or s.world_size + 1):
+        grown = args.pace_until_world and s.world_size >= args.pace_until_world
+        if args.step_time and not grown:
             time.sleep(args.step_time)
 
     loop.start()

@@ -364,7 +364,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         after_loss = isinstance(handler, RoundWatching) and handler.round_lost()
         with seat:  # newcomers must not take every seat while these workers train
             self._rendezvous(worker_group)  # the workers keep training meanwhile
-        events.compact()  # files of this node's gone processes (agents of earlier nodes)
+        events.compact()  # files of this node's gone processes (e.g. an agent that left)
         if control.registered_workers(self._control_dir) != pids:
             # They withdrew while this node waited for a place: the round the others
             # switched to filled max_nodes without it (it waited as a spare), so they

@@ -36,7 +36,7 @@ following a symbolic link (``O_NOFOLLOW``): the directory lives on a shared file
 
 The directory stays bounded over a long job: each agent merges the files of its node's
 processes that are gone into the node's archive, ``<host>.archive.jsonl``
-(:func:`compact`, at start and before each start of its workers).
+(:func:`compact`, before each start of its workers and at each in-place re-formation).
 
 The run index (:func:`record_run`, :func:`find_run`) maps a run id (the Slurm job id) to its
 state, events and checkpoint directories, so ``slurm-elastic status JOB`` finds a run after

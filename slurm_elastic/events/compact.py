@@ -2,8 +2,8 @@
 
 Each process writes its own file (``<host>.<pid>.jsonl``, :mod:`.writer`), so a long
 preemptible job whose workers are restarted at every change would leave one file per
-process it ever started. The agent, at start and before each start of its workers, calls
-:func:`compact`: the files of *its own node's* processes that no longer run are appended
+process it ever started. The agent, before each start of its workers (its first one
+included) and at each in-place re-formation, calls :func:`compact`: the files of *its own node's* processes that no longer run are appended
 to that node's archive, ``<host>.archive.jsonl``, and removed. The directory then holds
 one archive per node plus one file per live process, whatever the number of changes.
 
@@ -33,12 +33,14 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from slurm_elastic import procstat
 from slurm_elastic.envvars import EVENTS_DIR_ENV
+from slurm_elastic.errors import UnsafeDirectoryError
 from slurm_elastic.events.schema import current_host
+from slurm_elastic.privatefs import ensure_private_dir
 
 __all__ = ["ARCHIVE", "compact"]
 
@@ -56,10 +58,7 @@ def _gone(pid: int) -> bool:
 
 
 def compact(
-    directory: str | os.PathLike[str] | None = None,
-    *,
-    host: str | None = None,
-    gone: Callable[[int], bool] = _gone,
+    directory: str | os.PathLike[str] | None = None, *, host: str | None = None
 ) -> list[Path]:
     """Merge the event files of this node's gone processes into its archive.
 
@@ -69,7 +68,6 @@ def compact(
     Args:
         directory: the events directory (default: ``$SLURM_ELASTIC_EVENTS_DIR``; none: no-op).
         host: this node's name as the writers record it (default: :func:`current_host`).
-        gone: whether process ``pid`` of this node no longer runs.
 
     Returns:
         The files merged and removed.
@@ -80,11 +78,12 @@ def compact(
     base = Path(where)
     node = host if host is not None else current_host()
     try:
+        ensure_private_dir(base)  # ours, 0700, not a link: the writers' own check
         with _node_lock(base, node) as locked:
             if not locked:
                 return []
-            return _merge(base, node, gone)
-    except OSError as exc:
+            return _merge(base, node)
+    except (OSError, UnsafeDirectoryError) as exc:
         log.debug("not compacting the events in %s: %s", base, exc)
         return []
 
@@ -107,7 +106,7 @@ def _node_lock(base: Path, node: str) -> Iterator[bool]:
         os.close(fd)
 
 
-def _merge(base: Path, node: str, gone: Callable[[int], bool]) -> list[Path]:
+def _merge(base: Path, node: str) -> list[Path]:
     own = os.getpid()
     victims = []
     for name in sorted(os.listdir(base)):
@@ -115,7 +114,7 @@ def _merge(base: Path, node: str, gone: Callable[[int], bool]) -> list[Path]:
         if match is None or match["host"] != node:
             continue
         pid = int(match["pid"])
-        if pid != own and gone(pid):
+        if pid != own and _gone(pid):
             victims.append(base / name)
     if not victims:
         return []

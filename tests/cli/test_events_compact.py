@@ -210,3 +210,14 @@ def test_a_file_merged_while_a_reader_lists_the_directory_is_not_missed(
     monkeypatch.setattr(reader, "_open_events_file", open_after_a_compaction)
     assert keyed(events_dir) == before
     assert [p.name for p in raced] == [f"n1.{pid}.jsonl"]
+
+
+def test_an_events_directory_others_can_write_is_not_touched(events_dir: Path) -> None:
+    pid = gone_writer(events_dir)
+    events_dir.chmod(0o777)  # not the private directory the writers created
+    try:
+        assert compact(events_dir, host="n1") == []
+        assert (events_dir / f"n1.{pid}.jsonl").exists()
+        assert not (events_dir / "n1.archive.jsonl").exists()
+    finally:
+        events_dir.chmod(0o700)
