@@ -430,9 +430,10 @@ class _Fold:
                 gone = self.rdzv_name.get(name)
                 if gone is not None:
                     gone._close(e.time)
-                    gone.state = (
-                        "evicted (process gone)" if e.cause == "link" else "evicted (no heartbeat)"
-                    )
+                    gone.state = {
+                        "link": "evicted (process gone)",
+                        "unreachable": "evicted (unreachable)",
+                    }.get(e.cause, "evicted (no heartbeat)")
                     out.marks.append((e.time, gone.key, "evicted"))
         elif isinstance(e, ev.AgentRequeued) and node is not None:
             node.state = "requeued"

@@ -201,8 +201,9 @@ class RendezvousComplete(Event):
 @dataclass(frozen=True, kw_only=True)
 class RendezvousEvicted(Event):
     """Nodes found dead were evicted: ``cause`` ``heartbeat`` (the counter stood still
-    for the window) or ``link`` (the agent's verified connection closed: the process is
-    gone)."""
+    for the window), ``link`` (the agent's verified connection closed: the process is
+    gone) or ``unreachable`` (the agent runs, its heartbeat goes on, but its watcher's
+    link went unanswered for the window: a network partition)."""
 
     kind: ClassVar[str] = "rendezvous.evicted"
     nodes: list[str] = field(default_factory=list)

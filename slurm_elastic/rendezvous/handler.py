@@ -283,6 +283,9 @@ class SlurmRendezvousHandler(RendezvousHandler):
                         if dead:
                             self._evict(backend, [nodes[name] for name in dead])
                         self._links.watch(view, nodes)
+                        cut = self._links.unreachable(view)
+                        if cut:
+                            self._evict(backend, cut, cause="unreachable")
                     else:
                         self._links.watch(view, {})
                 except Exception as exc:  # the watcher must outlive transient FS errors
@@ -318,11 +321,11 @@ class SlurmRendezvousHandler(RendezvousHandler):
             result = backend.set_state(encode_state(state), gen)
             if result is not None and result[2]:
                 names = ", ".join(n.name for n in dead)
-                why = (
-                    "its agent's link closed: the process is gone"
-                    if cause == "link"
-                    else f"no heartbeat progress for {self._monitor.window_s:.1f} s"
-                )
+                why = {
+                    "link": "its agent's link closed: the process is gone",
+                    "unreachable": f"it runs but answered nothing for "
+                    f"{self._monitor.window_s:.1f} s: cut off from this node",
+                }.get(cause, f"no heartbeat progress for {self._monitor.window_s:.1f} s")
                 log.info("rendezvous %r: evicted %s (%s)", self._run_id, names, why)
                 events.emit(events.RendezvousEvicted(nodes=[n.name for n in dead], cause=cause))
                 self._forget_heartbeats(dead)
@@ -364,6 +367,12 @@ class SlurmRendezvousHandler(RendezvousHandler):
             member before this node read it (join again).
         """
         node, rules = self._node, self._rules
+        with self._lock:
+            _, now = self._loop.backend.view()
+            evicted = self._seated_round is not None and now.where(node) is None
+        if evicted:  # while it ran: first make sure it is not cut off from the members
+            members = [n for n in ring_after(now, node) if now.where(n) == PARTICIPANTS]
+            self._links.wait_reachable(members, deadline)
         with self._lock:
             seated, reseat = self._seated_round, self._keep_seat
             exited = self._loop.run(

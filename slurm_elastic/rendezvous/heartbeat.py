@@ -107,6 +107,17 @@ class HeartbeatMonitor:
         """How long a counter may stand still before its node is declared dead."""
         return self._interval * self._miss_limit
 
+    def beating(self, node: str) -> bool:
+        """Whether ``node``'s counter moved lately, as this watcher last observed it.
+
+        Lately: within two intervals, or half the window if that is shorter. False for
+        a node this watcher does not watch now.
+        """
+        obs = self._seen.get(node)
+        if obs is None:
+            return False
+        return self._clock() - obs.changed_at < min(2 * self._interval, self.window_s / 2)
+
     def beat(self) -> None:
         """Increment and write this node's counter (one ``open``)."""
         self._counter += 1
@@ -144,6 +155,10 @@ class HeartbeatMonitor:
             return None
         self._records[node] = _link_record(raw)
         return int(_COUNTER.unpack_from(raw)[0])
+
+    def counter(self, node: str) -> int | None:
+        """``node``'s counter as its heartbeat file holds it now (None: no file)."""
+        return self._reader(node)
 
     def record_of(self, node: str) -> bytes:
         """``node``'s link record as last read by an observation (``b""``: none)."""

@@ -27,10 +27,22 @@ How, per agent (one :class:`ProcessLink`):
   heartbeat file still holds that record (a node that left and joined again has a new
   record, so an old connection's end never evicts it).
 
+Silence on a verified connection is a second, weaker kind of evidence. The watcher sends
+a one-byte ping every ``ping_s`` and the watched agent answers each with one byte. A
+verified connection unanswered for ``silent_after_s`` (the heartbeat window) is
+*silent*: :meth:`ProcessLink.silent` returns it (and the connection is dropped and
+retried). Silence alone does not say whether the watched node froze (its heartbeat
+stops too: the heartbeat window decides) or the network between the two broke while
+both run (a partition: its heartbeat on the shared filesystem goes on). The handler
+tells the two apart; :meth:`ProcessLink.reached_within` says whether anybody's traffic
+reached this link lately (evidence that this side's network works). A watcher whose own
+thread was held up (a starved process) shifts its clocks by the gap: it never judges
+silence across its own pause.
+
 Nothing else is evidence: a refused or unanswered connect, a wrong answer, a connection
 that was never verified, or unexpected bytes only drop the connection (it is retried
 after :data:`RETRY_S`); the heartbeat window still decides those cases, and every silent
-loss (a frozen process, a powered-off host, a partition). An outsider who connects to a
+loss (a frozen process, a powered-off host). An outsider who connects to a
 listener gets a nonce's answer at most and is disconnected after :data:`HANDSHAKE_S`;
 the listener holds at most :data:`MAX_INCOMING` connections. Sockets are not inherited
 by the workers (Python sockets are close-on-exec), so an agent whose workers outlive it
@@ -50,10 +62,18 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["HANDSHAKE_S", "MAX_INCOMING", "RECORD", "RETRY_S", "ProcessLink", "Target"]
+__all__ = [
+    "HANDSHAKE_S",
+    "MAX_INCOMING",
+    "RECORD",
+    "RETRY_S",
+    "ProcessLink",
+    "Target",
+    "probe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +88,8 @@ HANDSHAKE_S = 2.0
 RETRY_S = 1.0
 #: At most this many incoming connections are held (a node has ~2 watchers).
 MAX_INCOMING = 64
+_PING = b"?"
+_PONG = b"!"
 
 
 def answer(secret: bytes, nonce: bytes) -> bytes:
@@ -103,6 +125,8 @@ class _Out:
     sent: bool = False
     got: bytearray = field(default_factory=bytearray)
     verified: bool = False
+    heard: float = 0.0  # when the last answer (or the verification) arrived
+    pinged: float = 0.0  # when the last ping went out
 
 
 @dataclass
@@ -119,7 +143,11 @@ class ProcessLink:
     """This agent's listener and its connections to the successors it watches.
 
     Args:
-        on_lost: called (on the link's thread) after a verified connection ended.
+        on_lost: called (on the link's thread) after a verified connection ended or
+            went silent.
+        silent_after_s: a verified connection unanswered this long is silent (None:
+            never judged).
+        ping_s: how often a verified connection is pinged.
         clock: a monotonic clock.
     """
 
@@ -127,10 +155,19 @@ class ProcessLink:
         self,
         on_lost: Callable[[], None] | None = None,
         *,
+        silent_after_s: float | None = None,
+        ping_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if silent_after_s is not None and silent_after_s <= 2 * ping_s:
+            raise ValueError(f"silent_after_s={silent_after_s} must exceed twice ping_s={ping_s}")
         self._on_lost = on_lost
+        self._silent_after = silent_after_s
+        self._ping_s = ping_s
         self._clock = clock
+        self._silent: list[tuple[str, Target]] = []
+        self._pinged_in = -1e18  # when a watcher's ping last reached this link
+        self._loop_at = clock()
         self._secret = os.urandom(16)
         self._lock = threading.Lock()
         self._wanted: dict[str, Target] = {}
@@ -138,6 +175,7 @@ class ProcessLink:
         self._retry_at: dict[tuple[str, bytes], float] = {}
         self._out: dict[str, _Out] = {}  # the link thread's only
         self._verified: set[str] = set()  # under the lock: read by other threads
+        self._heard: dict[str, float] = {}  # under the lock: name -> last answer
         self._in: dict[socket.socket, _In] = {}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -185,6 +223,24 @@ class ProcessLink:
             found, self._lost = self._lost, []
         return found
 
+    def silent(self) -> list[tuple[str, Target]]:
+        """The targets whose verified connection went unanswered for ``silent_after_s``
+        since the last call (each connection is dropped and retried)."""
+        with self._lock:
+            found, self._silent = self._silent, []
+        return found
+
+    def reached_within(self, seconds: float, *, besides: Iterable[str] = ()) -> bool:
+        """Whether another agent's traffic reached this link in the last ``seconds``:
+        a watcher's ping, or an answer on a verified connection to a target not named in
+        ``besides``."""
+        now = self._clock()
+        skip = set(besides)
+        with self._lock:
+            if now - self._pinged_in <= seconds:
+                return True
+            return any(now - t <= seconds for n, t in self._heard.items() if n not in skip)
+
     def verified(self) -> set[str]:
         """The names of the targets held by a verified connection now (for tests)."""
         with self._lock:
@@ -210,12 +266,13 @@ class ProcessLink:
         try:
             while not self._closed:
                 self._sync()
-                for key, events in self._sel.select(timeout=0.5):
+                for key, events in self._sel.select(timeout=min(0.5, self._ping_s)):
                     try:
                         self._handle(key.data, key.fileobj, events)  # type: ignore[arg-type]
                     except Exception as exc:  # the link must outlive one bad connection
                         log.debug("rendezvous link: %s: %s", type(exc).__name__, exc)
                 self._expire()
+                self._ping()
         except Exception as exc:  # never take the agent down: the heartbeat still decides
             log.warning("rendezvous link stopped: %s: %s", type(exc).__name__, exc)
         finally:
@@ -278,6 +335,43 @@ class ProcessLink:
         self._out[name] = out
         self._sel.register(sock, selectors.EVENT_WRITE, out)
 
+    def _ping(self) -> None:
+        """Ping every verified connection; report those silent for ``silent_after_s``."""
+        now = self._clock()
+        gap = now - self._loop_at
+        self._loop_at = now
+        if (
+            gap > 2 * min(0.5, self._ping_s)
+        ):  # the select's timeout, twice  # this thread was held up: judge no silence across the pause
+            for out in self._out.values():
+                out.heard += gap
+        silent = []
+        for out in list(self._out.values()):
+            if not out.verified:
+                continue
+            if self._silent_after is not None and now - out.heard > self._silent_after:
+                silent.append(out)
+                continue
+            if now - out.pinged >= self._ping_s:
+                try:
+                    out.sock.send(_PING)
+                except BlockingIOError:
+                    pass  # a full buffer: the answers are late anyway
+                except OSError:
+                    continue  # the read side reports the end
+                out.pinged = now
+        for out in silent:
+            self._retry(out)
+            with self._lock:
+                self._silent.append((out.name, out.target))
+            log.info(
+                "rendezvous link: the agent of %s answered nothing for %.1f s",
+                out.name,
+                now - out.heard,
+            )
+        if silent and self._on_lost is not None:
+            self._on_lost()
+
     def _progress(self, out: _Out, events: int) -> None:
         if not out.sent:
             code = out.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -298,7 +392,12 @@ class ProcessLink:
             return
         except OSError:
             chunk = b""
-        if out.verified:  # end-of-stream, a reset, or bytes nobody should send
+        if out.verified:  # answers; or end-of-stream, a reset, or bytes nobody should send
+            if chunk and chunk == _PONG * len(chunk):
+                out.heard = self._clock()
+                with self._lock:
+                    self._heard[out.name] = out.heard
+                return
             if chunk:
                 self._retry(out)  # not our protocol: not evidence either
                 return
@@ -317,8 +416,10 @@ class ProcessLink:
             return
         if hmac.compare_digest(bytes(out.got), answer(out.target.secret, out.nonce)):
             out.verified = True
+            out.heard = self._clock()
             with self._lock:
                 self._verified.add(out.name)
+                self._heard[out.name] = out.heard
         else:
             log.debug("rendezvous link to %s: a wrong answer", out.name)
             self._retry(out)
@@ -332,6 +433,7 @@ class ProcessLink:
             del self._out[out.name]
             with self._lock:
                 self._verified.discard(out.name)
+                self._heard.pop(out.name, None)
         self._unregister(out.sock)
 
     def _accept(self) -> None:
@@ -349,11 +451,22 @@ class ProcessLink:
 
     def _serve(self, conn: _In) -> None:
         try:
-            chunk = conn.sock.recv(_NONCE)
+            chunk = conn.sock.recv(_NONCE if not conn.answered else 64)
         except BlockingIOError:
             return
         except OSError:
             chunk = b""
+        if chunk and conn.answered and chunk == _PING * len(chunk):
+            try:  # a few bytes into a socket the watcher drains
+                conn.sock.send(_PONG * len(chunk))
+            except BlockingIOError:
+                return  # a watcher that does not read: its own problem
+            except OSError:
+                self._drop_in(conn.sock)
+                return
+            with self._lock:
+                self._pinged_in = self._clock()
+            return
         if not chunk or conn.answered:  # the watcher went away, or spoke out of turn
             self._drop_in(conn.sock)
             return
@@ -384,3 +497,89 @@ class ProcessLink:
         for sock, conn in list(self._in.items()):
             if not conn.answered and conn.started < limit:
                 self._drop_in(sock)
+
+
+#: A connect that fails with one of these reached the target's host (its kernel answered).
+_HOST_ANSWERED = frozenset({errno.ECONNREFUSED, errno.ECONNRESET})
+
+
+def probe(targets: Mapping[str, Target], timeout_s: float = HANDSHAKE_S) -> set[str]:
+    """The targets whose host this process reaches over the network, tried at once.
+
+    A target is reached when its link answers the handshake, or when its host refuses
+    the connection (the process is gone, but the network path works). Unreached: no
+    answer within ``timeout_s``, or no route to the host. A partitioned node reaches none
+    of its live peers.
+    """
+    reached: set[str] = set()
+    sel = selectors.DefaultSelector()
+    pending: dict[socket.socket, tuple[str, Target, bytes, bytearray]] = {}
+    try:
+        for name, target in targets.items():
+            try:
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(
+                    target.addr, target.port, type=socket.SOCK_STREAM
+                )[0]
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue
+            sock.setblocking(False)
+            code = sock.connect_ex(sockaddr)
+            if code in _HOST_ANSWERED:
+                reached.add(name)
+                sock.close()
+                continue
+            if code not in (0, errno.EINPROGRESS):
+                sock.close()
+                continue
+            pending[sock] = (name, target, os.urandom(_NONCE), bytearray())
+            sel.register(sock, selectors.EVENT_WRITE)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(timeout=left):
+                sock = key.fileobj  # type: ignore[assignment]
+                name, target, nonce, got = pending[sock]
+                done = _probe_step(sel, sock, target, nonce, got)
+                if done is None:
+                    continue
+                if done:
+                    reached.add(name)
+                del pending[sock]
+                sel.unregister(sock)
+                sock.close()
+    finally:
+        for sock in pending:
+            sock.close()
+        sel.close()
+    return reached
+
+
+def _probe_step(
+    sel: selectors.BaseSelector, sock: socket.socket, target: Target, nonce: bytes, got: bytearray
+) -> bool | None:
+    """One event of a probe: True reached, False not, None not decided yet."""
+    if sel.get_key(sock).events & selectors.EVENT_WRITE:
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code != 0:
+            return code in _HOST_ANSWERED
+        try:
+            sock.sendall(nonce)
+        except OSError:
+            return False
+        sel.modify(sock, selectors.EVENT_READ)
+        return None
+    try:
+        chunk = sock.recv(_ANSWER)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        return exc.errno in _HOST_ANSWERED
+    if not chunk:
+        return True  # the host's process answered by closing: the path works
+    got += chunk
+    if len(got) < _ANSWER:
+        return None
+    return True  # an answer (right or wrong) came back over the network

@@ -8,11 +8,14 @@ verified connections). It is used by the handler's watcher thread only.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from slurm_elastic.rendezvous.decisions import Readable
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
-from slurm_elastic.rendezvous.link import ProcessLink, Target
+from slurm_elastic.rendezvous.link import RETRY_S, ProcessLink, Target, probe
 from slurm_elastic.rendezvous.state import PARTICIPANTS, Node
 
 __all__ = ["MemberLinks"]
@@ -40,6 +43,7 @@ class MemberLinks:
         self._link: ProcessLink | None = None
         self._failed = False
         self._linked: dict[str, Node] = {}  # the nodes the link watches, by name
+        self._unreached: dict[str, tuple[Node, float]] = {}  # silent since (monotonic)
 
     def watch(self, view: Readable, nodes: dict[str, Node]) -> None:
         """Hold links to the participants among ``nodes`` (those this member watches).
@@ -49,12 +53,19 @@ class MemberLinks:
         link starts (and its record is published with a beat) the first time it is.
         """
         if not (view.complete and view.where(self._node) == PARTICIPANTS):
+            self._unreached = {}  # judged again from the next complete round on
             if self._link is not None:
                 self._link.watch({})
+                self._link.silent()  # silences of the connections just dropped: stale
             return
         if self._link is None and not self._failed:
             try:
-                self._link = ProcessLink(on_lost=self._on_lost)
+                window = self._monitor.window_s
+                self._link = ProcessLink(
+                    on_lost=self._on_lost,
+                    silent_after_s=window,
+                    ping_s=min(0.25, window / 4),
+                )
             except OSError as exc:  # the heartbeat window still detects every loss
                 self._failed = True
                 log.warning(
@@ -95,6 +106,101 @@ class MemberLinks:
             dead.append(node)
         return dead
 
+    def silent(self, view: Readable) -> list[Node]:
+        """The watched members whose verified link went unanswered for the heartbeat
+        window since the last call (and that are still members, under the same record)."""
+        if self._link is None:
+            return []
+        found = []
+        for name, target in self._link.silent():
+            node = self._linked.get(name)
+            if node is None or view.where(node) is None:
+                continue
+            if self._monitor.read_record(name) != target.record:
+                continue
+            found.append(node)
+        return found
+
+    def unreachable(self, view: Readable) -> list[Node]:
+        """The watched members that run but that this member cannot reach (a partition).
+
+        A member whose verified link went silent (:meth:`silent`) while its heartbeat on
+        the shared filesystem goes on. A silent member whose heartbeat stopped too froze
+        (the heartbeat window decides it); one reached again, or no longer a member, is
+        forgotten. The verdict needs evidence that the fault is not on this side: traffic
+        from another agent reached this member within half the window (after the
+        silence began); without any, this
+        member waits one more window (two members that only watch each other cannot
+        tell which side was cut; one of them is evicted then).
+        """
+        now = time.monotonic()
+        for node in self.silent(view):
+            self._unreached.setdefault(node.name, (node, now))
+        if not self._unreached:
+            return []
+        window = self._monitor.window_s
+        verified = self.verified()
+        found = []
+        for name, (node, since) in list(self._unreached.items()):
+            if view.where(node) is None or name in verified or not self._monitor.beating(name):
+                del self._unreached[name]
+                continue
+            # Evidence: traffic within half the window, i.e. well after the silence began.
+            fresh = self.reached_within(window / 2, frozenset(self._unreached))
+            if now - since >= window or fresh:
+                found.append(node)
+        return found
+
+    def wait_reachable(self, members: list[Node], deadline: float) -> None:
+        """Return once this node reaches one of ``members`` that runs (or none runs).
+
+        For a node evicted while it ran: cut off from its peers, it must not join again
+        (the round would form with a node nobody reaches); it waits for the network.
+        Reached: a member's link answered, or its host refused the connection. A member
+        runs while its heartbeat counter moves; members with no link record (not seated
+        in a complete round) are not asked.
+
+        Raises:
+            RendezvousTimeoutError: ``deadline`` (monotonic) passed first.
+        """
+        told = False
+        counters: dict[str, int | None] = {}
+        while True:
+            targets = {}
+            for node in members:
+                record = self._monitor.read_record(node.name)
+                if record and node != self._node:
+                    targets[node.name] = Target(node.addr, record)
+            if counters:  # from the second try on: only members whose heartbeat moved
+                targets = {
+                    n: t for n, t in targets.items() if self._monitor.counter(n) != counters[n]
+                }
+            if not targets or probe(targets):
+                if told:
+                    log.info("rendezvous %r: the network is back; joining", self._run_id)
+                return
+            counters = {n: self._monitor.counter(n) for n in targets}
+            if not told:
+                told = True
+                log.warning(
+                    "rendezvous %r: this node was evicted and reaches none of the running "
+                    "members (%s): waiting for the network before joining again",
+                    self._run_id,
+                    ", ".join(sorted(targets)),
+                )
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous {self._run_id!r}: this node reaches none of the members "
+                    f"({', '.join(sorted(targets))}); check its network"
+                )
+            time.sleep(RETRY_S)
+
+    def reached_within(self, seconds: float, besides: frozenset[str]) -> bool:
+        """Whether another agent's traffic reached this member's link lately (its own
+        network works), not counting the links to ``besides``."""
+        link = self._link
+        return link is not None and link.reached_within(seconds, besides=besides)
+
     def verified(self) -> frozenset[str]:
         """The nodes this member holds a verified link to now (names)."""
         link = self._link
@@ -104,6 +210,7 @@ class MemberLinks:
         """Close the link (after leaving: its end is then no evidence against us)."""
         link, self._link = self._link, None
         self._linked = {}
+        self._unreached = {}
         self._monitor.link_record = b""
         if link is not None:
             link.close()

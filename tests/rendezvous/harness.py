@@ -50,7 +50,24 @@ def _all_reduce(addr: str, port: int, rank: int, world: int, round_: int) -> flo
         dist.destroy_process_group()
 
 
-def _serve(conn: Connection, params: RendezvousParameters, env: dict[str, str]) -> None:
+def enter_netns(path: str) -> None:
+    """Move this (single-threaded) process into the network namespace at ``path``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns({path})")
+    finally:
+        os.close(fd)
+
+
+def _serve(
+    conn: Connection, params: RendezvousParameters, env: dict[str, str], netns: str | None
+) -> None:
+    if netns is not None:
+        enter_netns(netns)
     torch.set_num_threads(1)
     os.environ.update(env)
     from slurm_elastic.rendezvous import create_handler
@@ -152,6 +169,7 @@ class NodeProc:
         conf: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
         local_addr: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         params = RendezvousParameters(
             "slurm",
@@ -163,7 +181,7 @@ class NodeProc:
             **{**FAST_CONF, **(conf or {})},
         )
         self._conn, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_serve, args=(child, params, env or {}), daemon=True)
+        self.proc = _CTX.Process(target=_serve, args=(child, params, env or {}, netns), daemon=True)
         self.proc.start()
         self._pending: str | None = None
 

@@ -181,3 +181,116 @@ def _is_socket_on(fd: int, port: int) -> bool:
         return False
     finally:
         s.close()
+
+
+# -- silence: pings unanswered for the window (frozen, or cut off) --------------------
+
+
+def _serving_process() -> tuple[mp.process.BaseProcess, bytes]:
+    parent, child = _CTX.Pipe()
+    proc = _CTX.Process(target=_serve_link, args=(child,), daemon=True)
+    proc.start()
+    assert parent.poll(30)
+    return proc, parent.recv()
+
+
+def test_an_answering_link_is_never_silent(links: list[ProcessLink]) -> None:
+    proc, record = _serving_process()
+    try:
+        watcher = _new(links, silent_after_s=0.6, ping_s=0.1)
+        watcher.watch({"a": Target("127.0.0.1", record)})
+        wait_for(lambda: watcher.verified() == {"a"}, timeout=10, what="a verified link")
+        deadline = time.monotonic() + 3.0  # five windows of answered pings
+        while time.monotonic() < deadline:
+            assert watcher.silent() == [] and watcher.lost() == []
+            assert watcher.verified() == {"a"}
+            time.sleep(0.1)
+        assert watcher.reached_within(0.5), "the answers are evidence of this side's network"
+        assert not watcher.reached_within(0.5, besides=["a"])
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+
+
+def test_a_frozen_agents_link_goes_silent_after_the_window(links: list[ProcessLink]) -> None:
+    """SIGSTOP: the connection stays open (no end, no reset), only the answers stop."""
+    proc, record = _serving_process()
+    try:
+        woken: list[float] = []
+        watcher = _new(
+            links, on_lost=lambda: woken.append(time.monotonic()), silent_after_s=1.0, ping_s=0.1
+        )
+        target = Target("127.0.0.1", record)
+        watcher.watch({"a": target})
+        wait_for(lambda: watcher.verified() == {"a"}, timeout=10, what="a verified link")
+        stopped = time.monotonic()
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_for(lambda: woken, timeout=10, what="the silence reported")
+        # The window counts from the last answer, which came up to a ping before the stop.
+        assert 1.0 - 0.1 - 0.05 <= woken[0] - stopped < 2.5, woken[0] - stopped
+        assert watcher.silent() == [("a", target)]
+        assert watcher.lost() == [], "silence is not an end"
+        assert watcher.verified() == set(), "a silent connection is dropped (and retried)"
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_for(lambda: watcher.verified() == {"a"}, timeout=10, what="verified again")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+
+
+def _watch_and_report(conn: Connection, record: bytes) -> None:
+    watcher = ProcessLink(silent_after_s=0.6, ping_s=0.1)
+    watcher.watch({"a": Target("127.0.0.1", record)})
+    while True:
+        cmd = conn.recv()
+        conn.send((sorted(watcher.verified()), watcher.silent()))
+        if cmd == "last":
+            return
+
+
+def test_a_watcher_that_was_itself_paused_reports_no_silence() -> None:
+    """A starved or stopped watcher must not judge the time it did not run."""
+    proc, record = _serving_process()
+    parent, child = _CTX.Pipe()
+    watcher = _CTX.Process(target=_watch_and_report, args=(child, record), daemon=True)
+    watcher.start()
+    try:
+
+        def verified() -> bool:
+            parent.send("ask")
+            assert parent.poll(10)
+            return bool(parent.recv()[0] == ["a"])
+
+        wait_for(verified, timeout=10, what="the watcher's verified link")
+        os.kill(watcher.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        time.sleep(2.0)  # more than three windows: what is judged is this pause
+        os.kill(watcher.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        time.sleep(0.5)  # a few of its loops after the pause (pings answered)
+        parent.send("last")
+        assert parent.poll(10)
+        names, silent = parent.recv()
+        assert silent == [] and names == ["a"], (names, silent)
+    finally:
+        for p in (proc, watcher):
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            p.join(10)
+
+
+def test_a_probe_reaches_a_live_link_and_a_refusing_host() -> None:
+    proc, record = _serving_process()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    try:
+        reached = link_mod.probe(
+            {
+                "live": Target("127.0.0.1", record),
+                "refused": Target("127.0.0.1", RECORD.pack(closed_port, os.urandom(16))),
+            },
+            timeout_s=5,
+        )
+        assert reached == {"live", "refused"}
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
