@@ -82,6 +82,16 @@ class SlurmCluster:
         except AssertionError as exc:
             raise AssertionError(f"{exc}; last record: {last[-1] if last else None}") from None
 
+    def set_link(self, node: str, *, up: bool) -> None:
+        """Connect or cut ``node``'s network (netns mode: a partition, no reset)."""
+        subprocess.run(
+            [str(CLUSTER_SCRIPT), "link", node, "up" if up else "down"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+            env={**os.environ, **self.env},
+        )
+
     def wait_state(self, ref: str, states: set[JobState], timeout: float = 60) -> JobInfo:
         """Poll until ``ref`` is in one of ``states``."""
         names = sorted(s.value for s in states)

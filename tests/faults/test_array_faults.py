@@ -204,6 +204,42 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
             assert run.events(t0, "live.collective_aborted"), "no blocked collective aborted"
         _recovered(run, t0, "a frozen node, thawed")
 
+    def partitioned_node() -> None:
+        # A partition (issue 22): one task's node cut off from its peers (its link set
+        # down on the netns cluster, packets dropped, no reset) while it still reaches
+        # the shared directory, so its heartbeat goes on. Its peers evict it on their
+        # unanswered pings: the survivors train again at N-1 within the eviction window
+        # + 5 s; the cut-off node's own join waits for the network; it rejoins after.
+        host = run.store_host()
+        nodes = {t: _node_of_task(run, t) for t in range(TASKS)}
+        alone = [
+            a for a in run.agents() if list(nodes.values()).count(nodes[int(a.task or 0)]) == 1
+        ]
+        if not alone:  # two 1-CPU tasks may share a node: cutting it would cut both
+            pytest.skip(reason=f"no task has a node of its own: {nodes}")
+        victim = next((a for a in alone if a.pid != host.pid), alone[0])
+        node = nodes[int(victim.task or 0)]
+        if _foreign_jobs_on(run, node):
+            pytest.skip(reason=f"{node} also runs jobs of others: not cutting it")
+        t0 = time.time()
+        run.cluster.set_link(node, up=False)
+        try:
+            run.wait_training(
+                TASKS - 1, t0, FROZEN_BOUND_S + 60, "survivors after a partition", new_round=True
+            )
+            first = wait_for(
+                lambda: run.first_step_at(TASKS - 1, t0), 60, "a step at 2", interval=0.2
+            )
+            took = first - t0
+        finally:
+            run.cluster.set_link(node, up=True)
+        print(f"partitioned node: the survivors trained at {TASKS - 1} {took:.2f} s after the cut")
+        evicted = run.events(t0, "rendezvous.evicted")
+        assert evicted and {e["cause"] for e in evicted} == {"unreachable"}, evicted
+        if PATH == "in-place":
+            assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
+        _recovered(run, t0, "a partitioned node, its link back")
+
     def preempt_node_of(task: int) -> float:
         node = _node_of_task(run, task)
         foreign = _foreign_jobs_on(run, node)
@@ -269,6 +305,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         ("agent_sigkill", agent_sigkill),
         ("store_host_agent_sigkill", store_host_sigkill),
         ("frozen_node", frozen_node),
+        ("partitioned_node", partitioned_node),
         ("high_partition_preemption", high_partition_preemption),
         ("node_down", node_down),
         ("scancel_task", scancel_task),
@@ -329,6 +366,7 @@ CASES = [
     "agent_sigkill",
     "store_host_agent_sigkill",
     "frozen_node",
+    "partitioned_node",
     "high_partition_preemption",
     "node_down",
     "scancel_task",
