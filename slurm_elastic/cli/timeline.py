@@ -35,7 +35,7 @@ _MARKS = {  # what -> (marker, colour, label)
     "restart": ("o", "#ff7f0e", "worker restart"),
     "preempt": ("v", "#d62728", "preemption notice"),
     "requeue": ("^", "#9467bd", "requeued"),
-    "evicted": ("X", "#000000", "evicted (process gone, or heartbeats lost)"),
+    "evicted": ("X", "#000000", "evicted (process gone, heartbeats lost, or unreachable)"),
     "hang": ("s", "#8c564b", "hang detected"),
 }
 

@@ -367,9 +367,11 @@ class SlurmRendezvousHandler(RendezvousHandler):
             member before this node read it (join again).
         """
         node, rules = self._node, self._rules
-        with self._lock:
-            _, now = self._loop.backend.view()
-            evicted = self._seated_round is not None and now.where(node) is None
+        evicted = False
+        if self._seated_round is not None:  # a first join has nothing to check
+            with self._lock:
+                _, now = self._loop.backend.view()
+                evicted = now.where(node) is None
         if evicted:  # while it ran: first make sure it is not cut off from the members
             members = [n for n in ring_after(now, node) if now.where(n) == PARTICIPANTS]
             self._links.wait_reachable(members, deadline)

@@ -340,9 +340,9 @@ class ProcessLink:
         now = self._clock()
         gap = now - self._loop_at
         self._loop_at = now
-        if (
-            gap > 2 * min(0.5, self._ping_s)
-        ):  # the select's timeout, twice  # this thread was held up: judge no silence across the pause
+        # Longer than twice the select's timeout: this thread was held up (a starved or
+        # stopped process). Judge no silence across that pause.
+        if gap > 2 * min(0.5, self._ping_s):
             for out in self._out.values():
                 out.heard += gap
         silent = []
@@ -361,9 +361,9 @@ class ProcessLink:
                     continue  # the read side reports the end
                 out.pinged = now
         for out in silent:
-            self._retry(out)
-            with self._lock:
+            with self._lock:  # reported before it stops counting as verified
                 self._silent.append((out.name, out.target))
+            self._retry(out)
             log.info(
                 "rendezvous link: the agent of %s answered nothing for %.1f s",
                 out.name,
@@ -401,9 +401,9 @@ class ProcessLink:
             if chunk:
                 self._retry(out)  # not our protocol: not evidence either
                 return
-            self._drop_out(out)
-            with self._lock:
+            with self._lock:  # reported before it stops counting as verified
                 self._lost.append((out.name, out.target))
+            self._drop_out(out)
             log.info("rendezvous link: the agent of %s closed its connection", out.name)
             if self._on_lost is not None:
                 self._on_lost()
@@ -513,7 +513,7 @@ def probe(targets: Mapping[str, Target], timeout_s: float = HANDSHAKE_S) -> set[
     """
     reached: set[str] = set()
     sel = selectors.DefaultSelector()
-    pending: dict[socket.socket, tuple[str, Target, bytes, bytearray]] = {}
+    pending: dict[socket.socket, tuple[str, bytes, bytearray]] = {}
     try:
         for name, target in targets.items():
             try:
@@ -532,7 +532,7 @@ def probe(targets: Mapping[str, Target], timeout_s: float = HANDSHAKE_S) -> set[
             if code not in (0, errno.EINPROGRESS):
                 sock.close()
                 continue
-            pending[sock] = (name, target, os.urandom(_NONCE), bytearray())
+            pending[sock] = (name, os.urandom(_NONCE), bytearray())
             sel.register(sock, selectors.EVENT_WRITE)
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -541,8 +541,8 @@ def probe(targets: Mapping[str, Target], timeout_s: float = HANDSHAKE_S) -> set[
                 break
             for key, _ in sel.select(timeout=left):
                 sock = key.fileobj  # type: ignore[assignment]
-                name, target, nonce, got = pending[sock]
-                done = _probe_step(sel, sock, target, nonce, got)
+                name, nonce, got = pending[sock]
+                done = _probe_step(sel, sock, nonce, got)
                 if done is None:
                     continue
                 if done:
@@ -558,7 +558,7 @@ def probe(targets: Mapping[str, Target], timeout_s: float = HANDSHAKE_S) -> set[
 
 
 def _probe_step(
-    sel: selectors.BaseSelector, sock: socket.socket, target: Target, nonce: bytes, got: bytearray
+    sel: selectors.BaseSelector, sock: socket.socket, nonce: bytes, got: bytearray
 ) -> bool | None:
     """One event of a probe: True reached, False not, None not decided yet."""
     if sel.get_key(sock).events & selectors.EVENT_WRITE:
