@@ -315,6 +315,8 @@ class SlurmRendezvousHandler(RendezvousHandler):
             board.withdraw(IntentBoard.name(node))
         for _ in range(64):
             gen, state = backend.read_full()
+            if state.where(self._node) is None:  # evicted meanwhile: no verdict of its stands
+                return
             if not evict(state, dead, self._rules):
                 self._forget_heartbeats(dead)
                 return
@@ -323,8 +325,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
                 names = ", ".join(n.name for n in dead)
                 why = {
                     "link": "its agent's link closed: the process is gone",
-                    "unreachable": f"it runs but answered nothing for "
-                    f"{self._monitor.window_s:.1f} s: cut off from this node",
+                    "unreachable": "it runs but its link went unanswered: cut off from us",
                 }.get(cause, f"no heartbeat progress for {self._monitor.window_s:.1f} s")
                 log.info("rendezvous %r: evicted %s (%s)", self._run_id, names, why)
                 events.emit(events.RendezvousEvicted(nodes=[n.name for n in dead], cause=cause))
@@ -368,7 +369,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
         """
         node, rules = self._node, self._rules
         evicted = False
-        if self._seated_round is not None:  # a first join has nothing to check
+        if self._seated_round is not None:
             with self._lock:
                 _, now = self._loop.backend.view()
                 evicted = now.where(node) is None

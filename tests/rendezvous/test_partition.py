@@ -191,3 +191,50 @@ def test_a_partitioned_member_is_evicted_by_its_peers_and_rejoins_when_the_link_
     for n in survivors:
         n.send("rdzv")
     check_world([n.result(90) for n in [*survivors, victim]], 3)
+
+
+def test_two_members_cut_apart_leave_one_world_and_meet_again(
+    tmp_path: Path, net: Net, nodes: list[NodeProc]
+) -> None:
+    """Two members that only watch each other cannot tell which side was cut: after two
+    windows one of them is evicted (either), the other trains alone (min 1), and they
+    form a world of 2 again once the link is back."""
+    env = {EVENTS_DIR_ENV: str(tmp_path / "events"), "GLOO_SOCKET_IFNAME": "eth0"}
+    pair = [
+        NodeProc(
+            tmp_path,
+            "run",
+            1,
+            2,
+            conf=WINDOW,
+            env=env,
+            local_addr=net.addr(i),
+            netns=f"/run/netns/{net.ns(i)}",
+        )
+        for i in range(2)
+    ]
+    nodes.extend(pair)
+    names = [n.call("create")["node"] for n in pair]
+    for n in pair:
+        n.send("rdzv")
+    check_world([n.result(90) for n in pair], 2)
+    for i, n in enumerate(pair):
+        wait_for(lambda n=n, o=[names[1 - i]]: n.call("linked") == o, 20, "verified links")
+
+    cut = time.monotonic()
+    net.cut(1)
+    evicted = wait_for(lambda: _evictions(tmp_path), 4 * WINDOW_S + 5, "an eviction")
+    assert time.monotonic() - cut <= 2 * WINDOW_S + 4, time.monotonic() - cut
+    assert len(evicted) == 1 and evicted[0]["cause"] == "unreachable", evicted
+    gone = names.index(evicted[0]["nodes"][0])  # type: ignore[index]
+    kept, lost = pair[1 - gone], pair[gone]
+    kept.send("rdzv")
+    alone = kept.result(60)
+    assert alone["world"] == 1, alone
+
+    lost.send("rdzv")  # waits for the network
+    net.mend(1)
+    kept.send("wait_change", 60)
+    kept.result(70)
+    kept.send("rdzv")
+    check_world([n.result(90) for n in (kept, lost)], 2)
