@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,33 +129,41 @@ def _evictions(root: Path) -> list[dict[str, object]]:
     return found
 
 
-@pytest.mark.parametrize("victim_rank", [1, 0], ids=["non_zero_rank", "store_host"])
-def test_a_partitioned_member_is_evicted_by_its_peers_and_rejoins_when_the_link_is_back(
-    tmp_path: Path, net: Net, nodes: list[NodeProc], victim_rank: int
-) -> None:
+def _formed(
+    tmp_path: Path, net: Net, made: list[NodeProc], count: int, min_nodes: int
+) -> tuple[list[NodeProc], list[str], list[dict[str, Any]]]:
+    """``count`` nodes, one per namespace, in one world with verified links to each other."""
     env = {EVENTS_DIR_ENV: str(tmp_path / "events"), "GLOO_SOCKET_IFNAME": "eth0"}
     group = [
         NodeProc(
             tmp_path,
             "run",
-            2,
-            3,
+            min_nodes,
+            count,
             conf=WINDOW,
             env=env,
             local_addr=net.addr(i),
             netns=f"/run/netns/{net.ns(i)}",
         )
-        for i in range(3)
+        for i in range(count)
     ]
-    nodes.extend(group)
+    made.extend(group)
     names = [n.call("create")["node"] for n in group]
     for n in group:
         n.send("rdzv")
     first = [n.result(90) for n in group]
-    check_world(first, 3)
+    check_world(first, count)
     for i, n in enumerate(group):
         others = sorted(m for j, m in enumerate(names) if j != i)
         wait_for(lambda n=n, o=others: n.call("linked") == o, timeout=20, what="verified links")
+    return group, names, first
+
+
+@pytest.mark.parametrize("victim_rank", [1, 0], ids=["non_zero_rank", "store_host"])
+def test_a_partitioned_member_is_evicted_by_its_peers_and_rejoins_when_the_link_is_back(
+    tmp_path: Path, net: Net, nodes: list[NodeProc], victim_rank: int
+) -> None:
+    group, names, first = _formed(tmp_path, net, nodes, 3, 2)
     v = next(i for i, r in enumerate(first) if r["rank"] == victim_rank)
     victim, survivors = group[v], [n for i, n in enumerate(group) if i != v]
 
@@ -199,27 +208,7 @@ def test_two_members_cut_apart_leave_one_world_and_meet_again(
     """Two members that only watch each other cannot tell which side was cut: after two
     windows one of them is evicted (either), the other trains alone (min 1), and they
     form a world of 2 again once the link is back."""
-    env = {EVENTS_DIR_ENV: str(tmp_path / "events"), "GLOO_SOCKET_IFNAME": "eth0"}
-    pair = [
-        NodeProc(
-            tmp_path,
-            "run",
-            1,
-            2,
-            conf=WINDOW,
-            env=env,
-            local_addr=net.addr(i),
-            netns=f"/run/netns/{net.ns(i)}",
-        )
-        for i in range(2)
-    ]
-    nodes.extend(pair)
-    names = [n.call("create")["node"] for n in pair]
-    for n in pair:
-        n.send("rdzv")
-    check_world([n.result(90) for n in pair], 2)
-    for i, n in enumerate(pair):
-        wait_for(lambda n=n, o=[names[1 - i]]: n.call("linked") == o, 20, "verified links")
+    pair, names, _ = _formed(tmp_path, net, nodes, 2, 1)
 
     cut = time.monotonic()
     net.cut(1)
@@ -238,3 +227,4 @@ def test_two_members_cut_apart_leave_one_world_and_meet_again(
     kept.result(70)
     kept.send("rdzv")
     check_world([n.result(90) for n in (kept, lost)], 2)
+    assert len(_evictions(tmp_path)) == 1, "the healthy side was evicted too"
