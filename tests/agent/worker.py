@@ -3,7 +3,7 @@
 Usage: worker.py OUT_DIR STEPS [BEHAVIOUR]
 
 Each step does a gloo all_reduce whose result proves the world is consistent, reports
-progress, and checks the preemption notice. The "checkpoint" is the step number that
+progress, and agrees on the preemption notice. The "checkpoint" is the step number that
 rank 0 writes atomically to OUT_DIR/step, so a restarted group resumes where it was.
 Every event is one JSON line appended to OUT_DIR/records.jsonl.
 
@@ -76,7 +76,10 @@ def main() -> int:
             with open(tmp, "w") as fh:
                 fh.write(str(step + 1))
             os.replace(tmp, step_file)
-        if notice.preemption_requested():
+        # Agreed, as a real loop does: each rank's process gets the notice signal at its
+        # own moment, so a rank acting alone could leave its peers blocked in a collective.
+        agreed, mine = notice.preemption_agreed()
+        if agreed and (mine or notice.await_new_round(timeout_s=60)):
             record(out, event="preempted", step=step)
             return 0
         time.sleep(step_s)
