@@ -6,7 +6,7 @@ is submitit's default (resubmit the same callable, which resumes from the newest
 checkpoint). On a preemption notice (USR2) submitit's handler on rank 0 requeues the
 whole job; the steps since the last save are done again after the restart.
 
-The model, data and optimizer are those of ``examples/train_ddp.py`` (same step cost);
+The model, data and optimizer are those of ``examples/train_ddp.py`` (same step cost: compute-bound, no pacing);
 the ledger has the same records (``attempt``/``round`` = the Slurm restart count), so
 ``bench/goodput.py`` counts useful steps of both the same way.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ class RequeueTrainer(submitit.helpers.Checkpointable):
 
     Args:
         opts: ``steps``, ``dataset_size``, ``global_batch``, ``save_every``,
-            ``step_time``, ``ledger`` (path), ``checkpoint`` (path), ``seed``.
+            ``hidden``, ``depth``, ``ledger`` (path), ``checkpoint`` (path), ``seed``.
     """
 
     def __init__(self, opts: dict[str, Any]) -> None:
@@ -52,9 +51,10 @@ class RequeueTrainer(submitit.helpers.Checkpointable):
         submitit.helpers.TorchDistributedEnvironment().export()
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        args = train_ddp.parse_args(
-            ["--dataset-size", str(o["dataset_size"]), "--global-batch", str(o["global_batch"])]
-        )
+        args = train_ddp.parse_args([
+            "--dataset-size", str(o["dataset_size"]), "--global-batch", str(o["global_batch"]),
+            "--hidden", str(o["hidden"]), "--depth", str(o["depth"]),
+        ])  # fmt: skip
         x, y = train_ddp.synthetic_data(args)
         net = train_ddp.build_model(args)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
@@ -87,8 +87,6 @@ class RequeueTrainer(submitit.helpers.Checkpointable):
             ledger.append(o["ledger"], epoch=epoch, step=step, rank=rank, world=world,
                           indices=idx, attempt=f"restart{restart}", round=restart,
                           pid=os.getpid())  # fmt: skip
-            if o["step_time"]:
-                time.sleep(o["step_time"])
             if rank == 0 and step % o["save_every"] == 0:
                 state = {
                     "model": net.state_dict(),

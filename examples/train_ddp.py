@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=32, help="samples per step, all ranks")
     p.add_argument("--features", type=int, default=16)
     p.add_argument("--hidden", type=int, default=32)
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        help="apply one more hidden layer this many times (shared weights): compute per "
+        "sample grows, gradients do not (benchmarks use it for compute-bound steps)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=20)
@@ -96,11 +103,25 @@ def synthetic_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
+class Repeated(nn.Module):
+    """One ``Linear(hidden, hidden)`` + tanh applied ``times`` times (one set of weights)."""
+
+    def __init__(self, hidden: int, times: int) -> None:
+        super().__init__()
+        self.layer, self.times = nn.Linear(hidden, hidden), times
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            h = torch.tanh(self.layer(h))
+        return h
+
+
 def build_model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(args.seed)
-    return nn.Sequential(
-        nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)
-    )
+    head = [nn.Linear(args.features, args.hidden), nn.Tanh()]
+    if getattr(args, "depth", 0):
+        head.append(Repeated(args.hidden, args.depth))
+    return nn.Sequential(*head, nn.Linear(args.hidden, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
