@@ -307,9 +307,11 @@ def idle_or_refuse(case: Case, limit: float) -> str | None:
 
 
 def run_case(
-    system: str, schedule: str, n: int, hold: float, limit: float, refs: dict[int, float]
+    system: str, schedule: str, n: int, hold: float, limit: float, refs: dict[Any, float]
 ) -> dict[str, Any]:
-    """One job through one schedule; ``refs`` gets the undisturbed rates it measures."""
+    """One job through one schedule; ``refs`` gets the undisturbed rates it measures
+    (``(schedule, 4)``: the best 4-node rate of the schedule's jobs; ``w < 4``: the
+    in-place job's, measured once)."""
     period, silent = SCHEDULES[schedule]
     env = cluster_env()
     client = SlurmClient(env=env, timeout_s=60)
@@ -334,7 +336,7 @@ def run_case(
         rate4 = steady_rate(case, NODES, 3.0, 10.0)
         if rate4 is None:
             return {"error": f"no undisturbed rate at {NODES} nodes"}
-        refs[NODES] = max(refs.get(NODES, 0.0), rate4)
+        refs[schedule, NODES] = max(refs.get((schedule, NODES), 0.0), rate4)
         own = {NODES: rate4}
         t_a = time.time()
         events = [(t_a + k * period + period / 4, "preempt", k) for k in range(n)]
@@ -351,9 +353,9 @@ def run_case(
             while events and time.time() >= events[0][0]:
                 _, what, k = events.pop(0)
                 held = [h for h in case.nodes(queue) if h != case.frozen_node]
-                if not held:
-                    log.append(f"{what} {k}: the job held no node")
-                    continue
+                if not held:  # e.g. the whole job is being requeued: try again soon
+                    events.insert(0, (time.time() + 1.0, what, k))
+                    break
                 if what == "preempt":
                     case.preempt(held[k % len(held)], hold, k)
                 else:
@@ -374,6 +376,7 @@ def run_case(
             return {"error": f"jobs {sorted(foreign)} used the cluster in the window: not reported"}
         recs = ledger(case.ledger_path)
         done, redone = useful(recs, t_a, t_b)
+        status = status_useful_s(tmp / "state", t_a, t_b) if system != "requeue" else None
         node_s = {w: 0.0 for w in range(NODES + 1)}
         for (t0, w), (t1, _) in itertools.pairwise(timeline):
             node_s[w] += t1 - t0
@@ -392,12 +395,29 @@ def run_case(
             "lost_per_preemption": round(redone / max(n, 1), 2),
             "node_seconds": {w: round(s, 1) for w, s in node_s.items() if s},
             "undisturbed_steps_per_s": {w: round(r, 3) for w, r in own.items()},
+            # the same window as `status --goodput` books it from the events alone, next
+            # to the ledger's view (useful steps at the job's own undisturbed 4-node rate)
+            "useful_s_status_goodput": status,
+            "useful_s_ledger": round(done / rate4, 1),
             "events": log,
             "load_avg_1m": round(os.getloadavg()[0], 1),
             "dir": str(tmp),
         }
     finally:
         case.stop()
+
+
+def status_useful_s(state: Path, t_a: float, t_b: float) -> float | None:
+    """Seconds of [t_a, t_b] that ``slurm-elastic status --goodput`` books as useful."""
+    from slurm_elastic.cli.goodput import account
+    from slurm_elastic.events import read_events
+
+    runs = sorted((state / "events").glob("*"))
+    if len(runs) != 1:
+        return None
+    spans = account(list(read_events(runs[0]))).spans
+    clipped = (min(s.end, t_b) - max(s.start, t_a) for s in spans if s.category == "useful")
+    return round(sum(c for c in clipped if c > 0), 1)
 
 
 def efficiency(result: dict[str, Any], refs: dict[int, float]) -> tuple[float | None, str]:
@@ -413,14 +433,14 @@ def efficiency(result: dict[str, Any], refs: dict[int, float]) -> tuple[float | 
 
 
 def reference_rates(
-    results: dict[tuple[str, str], dict[str, Any]], best4: float
+    results: dict[tuple[str, str], dict[str, Any]], schedule: str, best4: float
 ) -> dict[int, float]:
-    """Steps/s at each world size: 4 from the faster system, fewer from the in-place job's
-    own rates scaled to it."""
+    """Steps/s at each world size for ``schedule``: 4 from the faster of its jobs, fewer
+    from the in-place job's own rates (where measured) scaled to it."""
     refs = {NODES: best4}
     for (system, _), r in results.items():
         own = r.get("undisturbed_steps_per_s", {})
-        if system == "inplace" and NODES in own:
+        if system == "inplace" and NODES in own and len(own) > 1:
             for w, rate in own.items():
                 if w != NODES:
                     refs.setdefault(w, rate * best4 / own[NODES])
@@ -445,23 +465,23 @@ def main(argv: list[str] | None = None) -> int:
     schedules = (args.schedules or ("60s" if args.quick else "60s,storm")).split(",")
     systems = args.systems.split(",")
     results: dict[tuple[str, str], dict[str, Any]] = {}
-    refs: dict[int, float] = {}
+    measured: dict[Any, float] = {}
     for schedule in schedules:
         n = args.preemptions or (1 if args.quick else {"60s": 4, "storm": 6}[schedule])
         for system in ("inplace", "restart", "requeue"):
             if system in systems:
                 results[system, schedule] = run_case(
-                    system, schedule, n, args.hold, args.limit, refs
+                    system, schedule, n, args.hold, args.limit, measured
                 )
                 print(f"# {system} {schedule}: {json.dumps(results[system, schedule])}",
                       file=sys.stderr, flush=True)  # fmt: skip
-    if not args.keep:
-        for r in results.values():
-            if "dir" in r:
-                shutil.rmtree(r["dir"], ignore_errors=True)
-    refs = reference_rates(results, refs.get(NODES, 0.0))
+    for r in results.values():
+        where = r.pop("dir", None)
+        if where and not args.keep:
+            shutil.rmtree(where, ignore_errors=True)
     rows = []
     for schedule in schedules:
+        refs = reference_rates(results, schedule, measured.get((schedule, NODES), 0.0))
         base = results.get(("requeue", schedule), {"error": "not run (--systems)"})
         base_eff, base_why = efficiency(base, refs)
         for system in ("inplace", "restart"):

@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="copy commits on a thread while the next step runs (ElasticLoop async_commit)",
     )
     p.add_argument(
+        "--vote-interval",
+        type=float,
+        default=0.25,
+        help="seconds of training between the ranks' membership votes (0: every step)",
+    )
+    p.add_argument(
         "--reform-timeout",
         type=float,
         default=120.0,
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint=CheckpointManager.from_env(args.checkpoint_dir, keep_last=3),
         save_every=args.save_every, leave_wait_s=args.leave_wait,
         commit_every=args.commit_every, reform_timeout_s=args.reform_timeout,
-        async_commit=args.async_commit,
+        async_commit=args.async_commit, vote_interval_s=args.vote_interval,
     )  # fmt: skip
 
     def train_step(s: Step) -> None:

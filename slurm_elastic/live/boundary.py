@@ -1,10 +1,11 @@
-"""The step-boundary vote: how the ranks agree, at the end of every step, on what next.
+"""The step-boundary vote: how the ranks agree, at the end of a step, on what next.
 
-**At every step boundary** (the end of a ``with session.step():`` block) the ranks agree
-with one ``all_reduce`` (MAX over five integers): does any rank's node leave, does any
-rank stay, which new round (if any) every staying rank has received *and* found ready
-(all its ranks announced in the round's store), and has a leave waited too long. Then,
-the same decision on every rank:
+**At the step boundaries that vote** (:class:`Cadence`: the first of each round, then
+about every ``vote_interval_s`` of training; each vote fixes the step of the next) the
+ranks agree with one ``all_reduce`` (MAX over six integers): does any rank's node leave,
+does any rank stay, which new round (if any) every staying rank has received *and* found
+ready (all its ranks announced in the round's store), has a leave waited too long, and
+how many steps until the next vote. Then, the same decision on every rank:
 
 * nothing pending: commit (every ``commit_every`` steps), maybe checkpoint, go on;
 * every staying rank holds the same ready round: **switch** (graceful join, leave, spare
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +35,14 @@ import torch.distributed as dist
 
 from slurm_elastic import notice
 
-__all__ = ["Agreement", "Departure", "vote"]
+__all__ = ["Agreement", "Cadence", "Departure", "vote"]
 
 log = logging.getLogger(__name__)
 
 _BIG = 1 << 62
+
+#: Never more steps than this between two votes, however short the steps.
+MAX_STEPS_BETWEEN_VOTES = 1000
 
 
 class Departure:
@@ -79,6 +84,54 @@ class Departure:
         self.seen_at = None
 
 
+class Cadence:
+    """Which step boundaries vote: the first of every round, then about every
+    ``interval_s`` seconds.
+
+    A vote is a collective, so it costs a synchronisation of the ranks (and, on a GPU,
+    a wait for the step's kernels) at each boundary that holds one. Each vote fixes the
+    step of the next from the ranks' recent step times (the shortest interval any rank
+    proposes wins), so every rank knows which boundaries vote without asking. A new
+    round (a switch or a recovery) always votes at its first boundary.
+
+    Args:
+        interval_s: seconds of training between votes; 0: every boundary.
+        clock: the monotonic clock.
+
+    Raises:
+        ValueError: ``interval_s`` negative.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not interval_s >= 0:
+            raise ValueError(f"vote_interval_s={interval_s!r}: must be >= 0 seconds")
+        self.interval_s = interval_s
+        self._clock = clock
+        self._round: int | None = None
+        self._next = 0
+        self._last: float | None = None
+        self._step_s: float | None = None
+
+    def due(self, step: int, round_: int) -> bool:
+        """Whether the boundary after ``step`` (in round ``round_``) votes."""
+        now = self._clock()
+        if self._last is not None and self._round == round_:
+            took = now - self._last
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        self._last = now
+        return self._round != round_ or step >= self._next
+
+    def proposal(self) -> int:
+        """Steps until the next vote, as this rank's step times have it."""
+        if self.interval_s <= 0 or not self._step_s:
+            return 1
+        return max(1, min(MAX_STEPS_BETWEEN_VOTES, round(self.interval_s / self._step_s)))
+
+    def agreed(self, step: int, round_: int, steps: int) -> None:
+        """The vote after ``step`` fixed the next one ``steps`` later."""
+        self._round, self._next = round_, step + max(1, steps)
+
+
 @dataclass(frozen=True)
 class Agreement:
     """The outcome of one boundary vote, the same on every rank.
@@ -90,6 +143,7 @@ class Agreement:
             (0: none).
         ready_min: the oldest such round over the staying ranks, plus one.
         gave_up: some rank's leave has waited longer than ``leave_wait_s``.
+        next_in: steps until the next vote (the shortest any rank proposed).
     """
 
     any_leave: bool
@@ -97,6 +151,7 @@ class Agreement:
     ready_max: int
     ready_min: int
     gave_up: bool
+    next_in: int = 1
 
     @property
     def everyone_leaves(self) -> bool:
@@ -109,7 +164,9 @@ class Agreement:
         return self.ready_max > 0 and self.ready_min == self.ready_max
 
 
-def vote(leaving: bool, ready: int, give_up: bool, device: torch.device) -> Agreement:
+def vote(
+    leaving: bool, ready: int, give_up: bool, device: torch.device, next_in: int = 1
+) -> Agreement:
     """Collective: this rank's vote, and what the ranks agree on.
 
     Args:
@@ -118,18 +175,27 @@ def vote(leaving: bool, ready: int, give_up: bool, device: torch.device) -> Agre
             0 for a leaving rank).
         give_up: this rank has seen a leave wait longer than ``leave_wait_s``.
         device: where the collective's tensor lives.
+        next_in: this rank's proposal for the steps until the next vote.
     """
     flags = torch.tensor(
-        [int(leaving), int(not leaving), ready, -_BIG if leaving else -ready, int(give_up)],
+        [
+            int(leaving),
+            int(not leaving),
+            ready,
+            -_BIG if leaving else -ready,
+            int(give_up),
+            -next_in,
+        ],
         dtype=torch.int64,
         device=device,
     )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    any_leave, any_stay, ready_max, neg_min, gave_up = (int(v) for v in flags.tolist())
+    any_leave, any_stay, ready_max, neg_min, gave_up, neg_next = (int(v) for v in flags.tolist())
     return Agreement(
         any_leave=bool(any_leave),
         any_stay=bool(any_stay),
         ready_max=ready_max,
         ready_min=-neg_min,
         gave_up=bool(gave_up),
+        next_in=-neg_next,
     )

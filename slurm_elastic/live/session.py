@@ -30,10 +30,12 @@ so every sample is used exactly once per epoch (:class:`~slurm_elastic.checkpoin
 ElasticSampler` semantics, fixed global batch). :class:`~slurm_elastic.live.loop.
 ElasticLoop` is this session driven by a step function.
 
-**At every step boundary** (the end of a ``with session.step():`` block) the ranks vote
+**At step boundaries** (the end of a ``with session.step():`` block), about every
+``vote_interval_s`` of training and at the first boundary of every round, the ranks vote
 with one collective and act alike on the outcome: go on (commit, maybe checkpoint),
 switch to a new round in place, leave, or save together for the restart path
-(:mod:`~slurm_elastic.live.boundary`).
+(:mod:`~slurm_elastic.live.boundary`). Every vote fixes the step of the next, so the
+boundaries in between cost no synchronisation.
 
 **A failed collective** inside the block or at the boundary (a peer was SIGKILLed or its
 node is gone) makes the survivors roll back to their last commit (every registered
@@ -61,7 +63,7 @@ from torch import nn
 from slurm_elastic import events, notice
 from slurm_elastic.checkpoint import CheckpointManager, loss_scale
 from slurm_elastic.live import control
-from slurm_elastic.live.boundary import Departure, vote
+from slurm_elastic.live.boundary import Cadence, Departure, vote
 from slurm_elastic.live.checkpointing import resume_latest, to_bundle
 from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel, sharded_parts
 from slurm_elastic.live.position import DataPosition, StepInfo
@@ -120,9 +122,14 @@ class ElasticSession:
         fsdp: shard the model with FSDP2 (or HSDP) instead of wrapping it in DDP, and
             re-shard it in place on every change (:mod:`~slurm_elastic.live.fsdp`);
             ``model`` is the unsharded model, ``optimizer`` built on its parameters.
+        vote_interval_s: the ranks agree on membership changes and notices (one small
+            collective) at about this many seconds of training apart, not at every
+            step; a leave, a join or a notice waits at most this long more. 0: at
+            every step boundary.
 
     Raises:
-        ValueError: ``commit_every`` < 0 or ``stall_abort_s`` not positive, or ``fsdp``
+        ValueError: ``commit_every`` < 0, ``stall_abort_s`` not positive,
+            ``vote_interval_s`` < 0, or ``fsdp``
             with ``commit_every`` or ``async_commit``.
         TypeError: a ``stateful`` object without ``state_dict``/``load_state_dict``.
     """
@@ -152,6 +159,7 @@ class ElasticSession:
         async_commit: bool = False,
         stall_abort_s: float | None = 1.0,
         fsdp: FSDPConfig | None = None,
+        vote_interval_s: float = 0.25,
     ) -> None:
         _check_options(commit_every, stall_abort_s)
         # Now, before the script forks its DataLoader workers: they inherit the handler,
@@ -199,6 +207,8 @@ class ElasticSession:
         self.left = False
         #: whether this rank leaves, and how long a leave has waited
         self.departure = Departure(self.in_place, leave_wait_s)
+        #: which step boundaries vote
+        self.cadence = Cadence(vote_interval_s)
         self._saved_step = -1
         self._total_steps: int | None = None
         self._started = False
@@ -473,13 +483,17 @@ class ElasticSession:
 
     def _boundary(self) -> str | None:
         """The step boundary: ``None`` (go on), ``"switched"`` or ``"left"``."""
+        if not self.cadence.due(self.step_count, self.world.round):
+            self._periodic()
+            return None
         leaving = self.departure.leaving_here()
         if self.in_place:
             ready = 0 if leaving else self.world.ready_round()
             give_up = self.departure.waited_too_long()
         else:
             ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
-        agreed = vote(leaving, ready, give_up, self.world.device())
+        agreed = vote(leaving, ready, give_up, self.world.device(), self.cadence.proposal())
+        self.cadence.agreed(self.step_count, self.world.round, agreed.next_in)
         if agreed.any_leave:
             self.departure.saw_leave()
         if (
@@ -524,12 +538,16 @@ class ElasticSession:
             self.world.commit(self.step_count)
             self._recover("a peer left and no new round formed")
             return "switched"
+        self._periodic()
+        return None
+
+    def _periodic(self) -> None:
+        """A boundary's commit and checkpoint, when their step has come (collective)."""
         if self.commit_every and self.step_count % self.commit_every == 0:
             self.world.commit(self.step_count, background=self.async_commit)
         epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
         if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
             self.save(blocking=False)
-        return None
 
     def _recover(self, reason: str) -> None:
         self.world.recover(reason, keep_live=not self.commit_every)

@@ -1,0 +1,110 @@
+"""Which step boundaries vote (slurm_elastic.live.boundary.Cadence), and that the ranks
+of a real gloo group agree on it: the vote carries each rank's proposal and the shortest
+wins, so every rank skips the same boundaries without asking."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import socket
+from contextlib import closing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from slurm_elastic.live.boundary import MAX_STEPS_BETWEEN_VOTES, Cadence, vote
+
+
+class FakeClock:
+    """The seam: step durations set by the test instead of waited out."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _boundaries(c: Cadence, clock: FakeClock, first: int, last: int, round_: int,
+                step_s: float) -> list[int]:  # fmt: skip
+    """The steps in first..last whose boundary voted (agreeing on c's own proposal)."""
+    voted = []
+    for step in range(first, last + 1):
+        clock.now += step_s
+        if c.due(step, round_):
+            voted.append(step)
+            c.agreed(step, round_, c.proposal())
+    return voted
+
+
+def test_votes_come_about_every_interval_and_at_the_first_boundary_of_each_round() -> None:
+    clock = FakeClock()
+    c = Cadence(0.25, clock=clock)
+    voted = _boundaries(c, clock, 1, 40, round_=3, step_s=0.05)
+    assert voted[:2] == [1, 2]  # the first boundary of the round, then one to time a step
+    gaps = {b - a for a, b in itertools.pairwise(voted[2:])}
+    assert gaps == {5}, voted  # 0.25 s / 0.05 s per step
+    # A switch to round 4 at step 41: its first boundary votes at once.
+    assert _boundaries(c, clock, 41, 41, round_=4, step_s=0.05) == [41]
+
+
+def test_slower_steps_vote_more_often_and_zero_means_every_boundary() -> None:
+    clock = FakeClock()
+    c = Cadence(0.25, clock=clock)
+    _boundaries(c, clock, 1, 20, round_=1, step_s=0.01)
+    assert c.proposal() == 25
+    _boundaries(c, clock, 21, 200, round_=1, step_s=0.5)  # a step now takes 0.5 s
+    assert c.proposal() == 1
+    every = Cadence(0.0, clock=clock)
+    assert _boundaries(every, clock, 1, 10, round_=1, step_s=0.001) == list(range(1, 11))
+
+
+def test_a_very_short_step_is_capped() -> None:
+    clock = FakeClock()
+    c = Cadence(10.0, clock=clock)
+    _boundaries(c, clock, 1, 3, round_=1, step_s=1e-6)
+    assert c.proposal() == MAX_STEPS_BETWEEN_VOTES
+
+
+def test_a_negative_interval_is_refused_with_its_value() -> None:
+    with pytest.raises(ValueError, match=r"vote_interval_s=-1.0"):
+        Cadence(-1.0)
+
+
+def _rank(rank: int, port: int, step_s: float, out: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    clock = FakeClock()
+    c = Cadence(0.25, clock=clock)
+    voted = []
+    try:
+        for step in range(1, 61):
+            clock.now += step_s  # each rank times its own steps differently
+            if c.due(step, 0):
+                agreed = vote(False, 0, False, torch.device("cpu"), c.proposal())
+                c.agreed(step, 0, agreed.next_in)
+                voted.append((step, agreed.next_in))
+        out.put((rank, voted))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_that_time_their_steps_differently_vote_on_the_same_boundaries() -> None:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, step_s, out)) for r, step_s in
+             ((0, 0.01), (1, 0.05))]  # fmt: skip
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert got[0] == got[1]  # a mismatch would have hung a rank in the collective
+    # The slower rank's proposal (0.25 s / 0.05 s = 5 steps) wins, not rank 0's 25.
+    assert {n for _, n in got[0][2:]} == {5}, got[0]
