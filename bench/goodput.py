@@ -27,9 +27,9 @@ at its last attempt, if that ended in the window (redone steps are waste); the j
 after the window until the last cut attempt is done again. Available nodes, sampled every
 0.5 s: 4, minus nodes a ``high`` job runs on, minus the frozen node (a preempted node
 counts as available until the ``high`` job starts: the grace period is ours to spend).
-The uninterrupted throughput at 4, 3 and 2 nodes is measured in the same run: at 4, the
+The uninterrupted throughput at 4, 3, 2 and 1 nodes is measured in the same run: at 4, the
 steady rate of each job before its window (the faster system's sets the reference); at
-3 and 2, the in-place job after its window, with one and then two tasks cancelled,
+3, 2 and 1, the in-place job after its window, with one, two, then three tasks cancelled,
 scaled by the 4-node reference. The cluster must be idle: a case refuses to report when
 a job that is not the bench's holds or waits for a node.
 
@@ -381,7 +381,7 @@ def run_case(
         for (t0, w), (t1, _) in itertools.pairwise(timeline):
             node_s[w] += t1 - t0
         if system == "inplace" and NODES - 1 not in refs:
-            for w in range(NODES - 1, 1, -1):  # undisturbed at fewer nodes: cancel tasks
+            for w in range(NODES - 1, 0, -1):  # undisturbed at fewer nodes: cancel tasks
                 case.cancel_task(w)
                 rate = steady_rate(case, w, 3.0, 8.0)
                 if rate is not None:
