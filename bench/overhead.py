@@ -38,9 +38,20 @@ moonshot 1.01), ``session_vs_plain`` (separate launches; the same target),
 ``loop_vs_plain`` (reported), ``rss_session_vs_plain`` (reported). A run that did not
 finish (timeout, a worker error) is reported as such, with no ratio.
 
-``--quick`` (~4 min here at a low load): 4 repetitions of 40 steps (10 warm-up); the full run: 8 of
-100 (20 warm-up). Prints a table and one JSON line per case (bench, case, ours,
-baseline, ratio, target, ok, unit, ...).
+**FSDP2** (``--models`` has ``fsdp``, the default): the same model sharded instead of
+replicated, the ``fsdp_`` cases. The baseline is the hand-written FSDP2 loop: each
+Linear, then the root, ``fully_shard``-ed on a 1-D mesh over the 2 ranks, Adam built on
+the sharded parameters; ours is the session with ``fsdp=FSDPConfig(...)`` sharding the
+same units (it re-shards in place on a change; none happens here). The same two
+measurements (``fsdp_session_vs_plain_same_processes``, ``fsdp_session_vs_plain``, same
+target) and ``fsdp_rss_session_vs_plain``; ``ElasticLoop`` runs the session's code and is
+not launched again.
+
+``--quick`` (~4 min here at a low load): 2 repetitions of 40 steps (10 warm-up) per
+model, so its separate-launch ratios are mostly noise (the same-processes ratio is the
+one to read); the full run: 8 of 100 (20 warm-up).
+Prints a table and one JSON line per case (bench, case, ours, baseline, ratio, target,
+ok, unit, ...).
 """
 
 from __future__ import annotations
@@ -152,69 +163,66 @@ def ab_case(res: dict[str, Any], warmup_blocks: int, common: dict[str, Any]) -> 
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 repetitions of 40 steps")
-    ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--global-batch", type=int, default=32)
-    ap.add_argument("--ab-steps", type=int, default=None, help="session steps of the ab run")
-    ap.add_argument("--block", type=int, default=5, help="steps per block of the ab run")
-    ap.add_argument("--limit", type=float, default=180.0, help="seconds per launch")
-    args = ap.parse_args(argv)
-    repeat = args.repeat or (4 if args.quick else 8)
+def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
+    """The cases of one parallelism (``ddp`` or ``fsdp``: every launch gets ``--fsdp``)."""
+    repeat = args.repeat or (2 if args.quick else 8)
     steps = args.steps or (40 if args.quick else 100)
     warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
-    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    errors: dict[str, list[str]] = {m: [] for m in MODES}
+    modes = MODES if kind == "ddp" else ("plain", "session")  # the loop: the session's code
+    prefix = "" if kind == "ddp" else f"{kind}_"
+    flags: tuple[str, ...] = () if kind == "ddp" else ("--fsdp",)
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    errors: dict[str, list[str]] = {m: [] for m in modes}
     ab_steps = args.ab_steps or (80 if args.quick else 200)
-    with tempfile.TemporaryDirectory(prefix="overhead-") as d:
-        ab = run_once("ab", Path(d), ab_steps, args.global_batch, args.limit,
-                      ("--block", str(args.block)))  # fmt: skip
-        if "error" in ab:
-            print(f"# ab: {ab['error']}\n{ab['log_tail']}", file=sys.stderr, flush=True)
-        for rep in range(repeat):
-            order = MODES[rep % 3 :] + MODES[: rep % 3]
-            for mode in order:
-                res = run_once(mode, Path(d), steps, args.global_batch, args.limit)
-                if "error" in res:
-                    errors[mode].append(res["error"])
-                    print(f"# {mode} rep {rep}: {res['error']}\n{res['log_tail']}",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    continue
-                recs = res["records"]
-                run = {
-                    "step_s": step_time(recs[0], warmup),
-                    "library_s": library(recs[0], warmup),
-                    "body_s": body(recs[0], warmup),
-                    "rss_mib": max(r["maxrss_kib"] for r in recs.values()) / 1024,
-                    "params": recs[0]["params"],
-                }
-                per_mode[mode].append(run)
-                print(f"# {mode} rep {rep}: {json.dumps(run)}", file=sys.stderr, flush=True)
+    ab = run_once("ab", d, ab_steps, args.global_batch, args.limit,
+                  ("--block", str(args.block), *flags))  # fmt: skip
+    if "error" in ab:
+        print(f"# {kind} ab: {ab['error']}\n{ab['log_tail']}", file=sys.stderr, flush=True)
+    for rep in range(repeat):
+        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+        for mode in order:
+            res = run_once(mode, d, steps, args.global_batch, args.limit, flags)
+            if "error" in res:
+                errors[mode].append(res["error"])
+                print(f"# {kind} {mode} rep {rep}: {res['error']}\n{res['log_tail']}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                continue
+            recs = res["records"]
+            run = {
+                "step_s": step_time(recs[0], warmup),
+                "library_s": library(recs[0], warmup),
+                "body_s": body(recs[0], warmup),
+                "rss_mib": max(r["maxrss_kib"] for r in recs.values()) / 1024,
+                "params": recs[0]["params"],
+            }
+            per_mode[mode].append(run)
+            print(f"# {kind} {mode} rep {rep}: {json.dumps(run)}", file=sys.stderr, flush=True)
 
     def med(mode: str, key: str) -> float | None:
-        runs = per_mode[mode]
+        runs = per_mode.get(mode, [])
         return statistics.median(r[key] for r in runs) if runs else None
 
     base = med("plain", "step_s")
     params = next((r["params"] for rs in per_mode.values() for r in rs), 0)
-    common = {"params_m": round(params / 1e6, 2), "state_mb": round(params * 12 / 1e6, 1),
-              "workers": 2, "steps": steps, "warmup": warmup, "repeats": repeat,
-              "global_batch": args.global_batch, "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
-    rows = [ab_case(ab, max(1, warmup // args.block), {**common, "steps": ab_steps})]
+    common = {"model": kind, "params_m": round(params / 1e6, 2),
+              "state_mb": round(params * 12 / 1e6, 1), "workers": 2, "steps": steps,
+              "warmup": warmup, "repeats": repeat, "global_batch": args.global_batch,
+              "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
+    ab_row = ab_case(ab, max(1, warmup // args.block), {**common, "steps": ab_steps})
+    rows = [{**ab_row, "case": prefix + ab_row["case"]}]
     for mode, case, target in (
         ("session", "session_vs_plain", f"<= {TARGET} (moonshot {MOONSHOT})"),
         ("loop", "loop_vs_plain", "reported"),
     ):
+        if mode not in modes:
+            continue
         ours = med(mode, "step_s")
         ratio = None if ours is None or base is None else round(ours / base, 4)
         ok = ratio is not None and (ratio <= TARGET if mode == "session" else True)
         pairs = [o["step_s"] / p["step_s"] for o, p in zip(per_mode[mode], per_mode["plain"],
                                                            strict=False)]  # fmt: skip
         rows.append({
-            "bench": "overhead", "case": case, "ours": ours and round(ours * 1e3, 2),
+            "bench": "overhead", "case": prefix + case, "ours": ours and round(ours * 1e3, 2),
             "baseline": base and round(base * 1e3, 2), "ratio": ratio, "target": target,
             "ok": bool(ok), "unit": "ms/step",
             "ours_library_ms": (o := med(mode, "library_s")) and round(o * 1e3, 3),
@@ -226,18 +234,41 @@ def main(argv: list[str] | None = None) -> int:
         })  # fmt: skip
     rss_o, rss_b = med("session", "rss_mib"), med("plain", "rss_mib")
     rows.append({
-        "bench": "overhead", "case": "rss_session_vs_plain", "ours": rss_o and round(rss_o, 1),
-        "baseline": rss_b and round(rss_b, 1),
+        "bench": "overhead", "case": f"{prefix}rss_session_vs_plain",
+        "ours": rss_o and round(rss_o, 1), "baseline": rss_b and round(rss_b, 1),
         "ratio": None if rss_o is None or rss_b is None else round(rss_o / rss_b, 4),
         "target": "reported", "ok": rss_o is not None and rss_b is not None, "unit": "MiB",
         "loop_mib": (r := med("loop", "rss_mib")) and round(r, 1), **common,
     })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 repetitions of 40 steps")
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--ab-steps", type=int, default=None, help="session steps of the ab run")
+    ap.add_argument("--block", type=int, default=5, help="steps per block of the ab run")
+    ap.add_argument("--limit", type=float, default=180.0, help="seconds per launch")
+    ap.add_argument("--models", default="ddp,fsdp", help="ddp,fsdp (FSDP2: --fsdp launches)")
+    args = ap.parse_args(argv)
+    kinds = [k for k in args.models.split(",") if k]
+    unknown = sorted(set(kinds) - {"ddp", "fsdp"})
+    if unknown or not kinds:
+        ap.error(f"--models={args.models!r}: use ddp, fsdp or ddp,fsdp")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="overhead-") as d:
+        for kind in kinds:
+            rows += measure(kind, args, Path(d))
     for row in rows:
         print(json.dumps(row), flush=True)
-    print(f"\n{'case':24} {'ours':>9} {'baseline':>9} {'ratio':>7} {'unit':8} target / ok")
+    print(f"\n{'case':34} {'ours':>9} {'baseline':>9} {'ratio':>7} {'unit':8} target / ok")
     for r in rows:
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"{r['case']:24} {fmt(r['ours']):>9} {fmt(r['baseline']):>9} "
+        print(f"{r['case']:34} {fmt(r['ours']):>9} {fmt(r['baseline']):>9} "
               f"{('-' if r['ratio'] is None else format(r['ratio'], '.3f')):>7} {r['unit']:8} "
               f"{r['target']} / {r['ok']}")  # fmt: skip
     return 0

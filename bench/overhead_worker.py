@@ -42,7 +42,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--features", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block", type=int, default=5, help="ab: steps per block")
+    p.add_argument(
+        "--fsdp", action="store_true", help="FSDP2: each Linear, then the root, fully_shard-ed"
+    )
     return p.parse_args(argv)
+
+
+LINEARS = (0, 2, 4)  # the Linear layers of the Sequential: FSDP2's units
+
+
+def fsdp_config(args: argparse.Namespace) -> Any:
+    """The session's sharding (``None`` for DDP): the same units as :func:`shard_plain`."""
+    if not args.fsdp:
+        return None
+    from slurm_elastic.live import FSDPConfig
+
+    return FSDPConfig(build=lambda: build(args)[0], shard_modules=lambda m: [m[i] for i in LINEARS])
+
+
+def shard_plain(model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    """A hand-written FSDP2 wrap (each Linear, then the root, on a 1-D mesh over the
+    world) and the Adam built on its sharded parameters, as FSDP2's docs do it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for i in LINEARS:
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
@@ -74,7 +102,10 @@ def run_plain(args: argparse.Namespace, marks: Marks) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, x, y = build(args)
-    ddp = DistributedDataParallel(model)
+    if args.fsdp:
+        ddp, opt = shard_plain(model, args)
+    else:
+        ddp = DistributedDataParallel(model)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
     b = args.global_batch
     per = b // world
@@ -93,8 +124,9 @@ def run_session(args: argparse.Namespace, marks: Marks) -> int:
 
     model, opt, x, y = build(args)
     session = ElasticSession(
-        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed
-    )
+        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed,
+        fsdp=fsdp_config(args),
+    )  # fmt: skip
     while not session.finished(steps=args.steps):
         for _ in session.batches():
             t0 = time.perf_counter()
@@ -114,7 +146,10 @@ def run_loop(args: argparse.Namespace, marks: Marks) -> int:
     from slurm_elastic.live import ElasticLoop
 
     model, opt, x, y = build(args)
-    loop = ElasticLoop(model, opt, dataset_size=len(x), global_batch_size=args.global_batch)
+    loop = ElasticLoop(
+        model, opt, dataset_size=len(x), global_batch_size=args.global_batch,
+        fsdp=fsdp_config(args),
+    )  # fmt: skip
 
     def one(step: Any) -> None:
         t0 = time.perf_counter()
@@ -142,10 +177,14 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     model, opt, x, y = build(args)
     plain_model, plain_opt, _, _ = build(args)
     session = ElasticSession(
-        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed
-    )
+        model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed,
+        fsdp=fsdp_config(args),
+    )  # fmt: skip
     session.start()
-    ddp = DistributedDataParallel(plain_model)
+    if args.fsdp:
+        ddp, plain_opt = shard_plain(plain_model, args)
+    else:
+        ddp = DistributedDataParallel(plain_model)
     rank, world = session.rank, session.world_size
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
     b, per = args.global_batch, args.global_batch // world

@@ -328,11 +328,12 @@ class SlurmElasticAgent(LocalElasticAgent):
 
     # -- restarts ---------------------------------------------------------------------------
 
-    def _workers_registered(self) -> bool:
+    def _workers_registered(self, *, live: bool = True) -> bool:
+        """Whether every local worker registered with its pid as live (or as starting)."""
         if not control.in_place_enabled():
             return False
         pids = {w.local_rank: w.id for w in self._worker_group.workers}
-        return bool(pids) and control.registered_workers(self._control_dir) == pids
+        return bool(pids) and control.registered_workers(self._control_dir, live=live) == pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         charged, self._charged = self._charged, False
@@ -348,7 +349,11 @@ class SlurmElasticAgent(LocalElasticAgent):
                 remaining_restarts=self._remaining_restarts,
             )
         )
-        if membership:
+        if membership and self._workers_registered(live=False):
+            # still joining their first group (perhaps blocked on the member that was
+            # lost): no step trained, nothing to save, so no wait for a save
+            log.info("workers still starting (no step trained): restarting them at once")
+        elif membership:
             self._notice_before_restart(worker_group)
         super()._restart_workers(worker_group)
 

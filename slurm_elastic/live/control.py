@@ -7,7 +7,9 @@ holds small JSON files, each written atomically (temporary file + ``rename``):
   place (:func:`register_worker`): ``{"pid": ..., "live": true}``. The agent re-forms in
   place only when every local worker registered with its current pid; a worker that
   leaves because its node has no place in the new round removes it
-  (:func:`unregister_worker`).
+  (:func:`unregister_worker`). Before that, while it joins its first group and takes its
+  state, the worker is registered as starting (``"live": false``): it has trained no
+  step, so a restart loses nothing and the agent need not wait for it to save.
 * ``assign.<local_rank>``: written by the agent after a rendezvous round it ran while
   the workers kept training (:func:`write_assignment`): the worker's new rank, world
   size, and the round's store address (:class:`Assignment`). A worker reads it at step
@@ -218,9 +220,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def register_worker(directory: str | os.PathLike[str], local_rank: int, pid: int) -> None:
-    """Announce that worker ``local_rank`` (process ``pid``) can re-form in place."""
-    _write_json(Path(directory) / f"worker.{local_rank}", {"pid": pid, "live": True})
+def register_worker(
+    directory: str | os.PathLike[str], local_rank: int, pid: int, *, live: bool = True
+) -> None:
+    """Announce that worker ``local_rank`` (process ``pid``) can re-form in place, or
+    (``live=False``) that it is starting: no step trained yet, nothing of its to save."""
+    _write_json(Path(directory) / f"worker.{local_rank}", {"pid": pid, "live": live})
 
 
 def unregister_worker(directory: str | os.PathLike[str], local_rank: int) -> None:
@@ -230,10 +235,11 @@ def unregister_worker(directory: str | os.PathLike[str], local_rank: int) -> Non
         (Path(directory) / f"worker.{local_rank}").unlink()
 
 
-def registered_workers(directory: str | os.PathLike[str]) -> dict[int, int]:
-    """Return ``{local_rank: pid}`` of the workers that registered.
+def registered_workers(directory: str | os.PathLike[str], *, live: bool = True) -> dict[int, int]:
+    """Return ``{local_rank: pid}`` of the workers registered as live (or, with
+    ``live=False``, as starting).
 
-    A registration that is not ``{"pid": <int in [1, 2**31)>, "live": true}`` in a
+    A registration that is not ``{"pid": <int in [1, 2**31)>, "live": <bool>}`` in a
     regular file named ``worker.<digits>`` is ignored with a warning.
     """
     found: dict[int, int] = {}
@@ -252,12 +258,13 @@ def registered_workers(directory: str | os.PathLike[str]) -> dict[int, int]:
             continue
         try:
             pid = _int_field(data, "pid", 1, _MAX_PID)
-            if data.get("live") is not True:
-                raise ValueError(f"live={_short(data.get('live'))}, not true")
+            if not isinstance(data.get("live"), bool):
+                raise ValueError(f"live={_short(data.get('live'))}, not true or false")
         except (KeyError, ValueError) as exc:
             warn_ignored(log, path, f"malformed registration: {exc}")
             continue
-        found[int(suffix)] = pid
+        if data["live"] is live:
+            found[int(suffix)] = pid
     return found
 
 

@@ -223,6 +223,9 @@ class LiveWorld:
         if first is None:  # checked by the caller; the environment changed since
             raise RuntimeError("in-place mode without an assignment in the environment")
         directory = os.environ[control.CONTROL_DIR_ENV]
+        # starting: a restart before the first step loses nothing (the agent need not
+        # wait for a save that a join blocked on a lost peer could never make)
+        control.register_worker(directory, first.local_rank, os.getpid(), live=False)
         self._watch = control.AssignmentWatch(directory, first.local_rank, first.round)
         self._join(first, self._connect(first))
         return self.sync_state()

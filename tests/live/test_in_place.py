@@ -295,3 +295,39 @@ def test_newcomers_filling_max_nodes_seat_the_training_member_first(
 
 def first_round(records: list[dict], step: int) -> int:
     return min(r["round"] for r in records if r["step"] == step)
+
+
+def test_workers_still_starting_are_restarted_at_once_when_a_member_is_lost(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    """Node b's new workers join a's round; a freezes before they are in (they block on
+    its store, registered as starting). When a is evicted, b's agent restarts them at
+    once: they trained no step, so the preemption notice and its wait for a save
+    (``--shutdown-timeout``, 30 s) would only stall the job (seen in the goodput storm)."""
+    steps = 200
+    # a 12-s liveness window: b's workers are surely starting (torch imported) by then
+    conf = ("--rdzv-conf", "heartbeat_interval=0.5,heartbeat_miss_limit=24,last_call_timeout=1")
+    args = ("--save-every", "10")
+    a = LiveRun(tmp_path, "st1", "1:2", "a", *args, steps=steps, step_time=0.1, agent_args=conf)
+    nodes.append(a)
+    wait_for(lambda: steps_done(tmp_path) >= 12, 90, "node a to train alone")
+    agent_args = (*conf, "--shutdown-timeout", "30")
+    b = LiveRun(tmp_path, "st1", "1:2", "b", *args, steps=steps, agent_args=agent_args)
+    nodes.append(b)
+    wait_for(lambda: len(b.worker_pids()) == 2, 60, "node b's workers")
+    first = b.worker_pids()
+    a.freeze_node()
+    assert b.wait(150) == ExitCode.FINISHED, b.log()
+
+    b_events = [e for e in events(tmp_path, "st1") if e["pid"] == b.proc.pid]
+    restart = next(e for e in b_events if e["kind"] == "agent.restart")
+    assert restart["reason"] == "membership", restart
+    started = [e for e in b_events if e["kind"] == "agent.workers_started"]
+    assert started[-1].time - restart.time < 10, (restart, started)  # not the 30-s wait
+    assert "workers still starting (no step trained): restarting them at once" in b.log()
+    records = ledger(tmp_path)
+    assert not {r["pid"] for r in records} & first  # the starting workers never stepped
+    last = [r for r in records if r["step"] == steps]
+    assert {r["world"] for r in last} == {2}
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)

@@ -117,14 +117,23 @@ def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path
     )
     procs = _start(tmp_path, port, "formation", 8)
     try:
-        assert procs[1].wait(180) == 0, _logs(tmp_path)
-        assert procs[0].wait(60) == -signal.SIGKILL, _logs(tmp_path)
+        survivor = procs[1].wait(180)
+        # rank 0 is SIGKILLed by its own store write (or aborted by gloo just before)
+        assert procs[0].wait(60) in (-signal.SIGKILL, -signal.SIGABRT), _logs(tmp_path)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
         del master
+    if survivor == -signal.SIGABRT:
+        # Now and then (2 of ~40 runs on a loaded 2-core machine; 0 of 26 unloaded) gloo
+        # itself aborts the survivor while the group forms: std::terminate in torch's C++,
+        # which no Python code can catch. The agent sees a failed worker and restarts it
+        # (docs/live.md, Limits). What this test checks is the classification otherwise.
+        assert "terminate called" in _logs(tmp_path), _logs(tmp_path)
+        pytest.skip("gloo aborted the surviving process (std::terminate, not catchable)")
+    assert survivor == 0, _logs(tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["peer_failure"] is True, result
     if result["stage"] == "join":  # usually: connectFullMesh's "Connect timeout"
