@@ -29,8 +29,8 @@ after the window until the last cut attempt is done again. Available nodes, samp
 counts as available until the ``high`` job starts: the grace period is ours to spend).
 The uninterrupted throughput at 4, 3, 2 and 1 nodes is measured in the same run: at 4, the
 steady rate of each job before its window (the faster system's sets the reference); at
-3, 2 and 1, the in-place job after its window, with one, two, then three tasks cancelled,
-scaled by the 4-node reference. The cluster must be idle: a case refuses to report when
+3, 2 and 1, the in-place job after its window (once every task it holds trains again,
+then with one task cancelled at a time), scaled by the 4-node reference. The cluster must be idle: a case refuses to report when
 a job that is not the bench's holds or waits for a node.
 
 Targets (issue 22): in place >= 0.90 efficiency at one preemption per 60 s (moonshot
@@ -297,6 +297,31 @@ def steady_rate(case: Case, world: int, settle_s: float, measure_s: float) -> fl
     return useful(recs, t_a, t_b)[0] / (t_b - t_a)
 
 
+def world_now(case: Case) -> int | None:
+    """The world of the job's last 12 ledger rows, if they all agree."""
+    recs = ledger(case.ledger_path)[-12:]
+    worlds = {r["world"] for r in recs}
+    return worlds.pop() if len(recs) == 12 and len(worlds) == 1 else None
+
+
+def fewer_nodes_rates(case: Case, own: dict[int, float], refs: dict[Any, float]) -> None:
+    """Undisturbed rates below 4 nodes: once every task the job holds trains (after a
+    storm the thawed node rejoins first), then with one task cancelled at a time."""
+    for task in (None, *range(NODES - 1, 0, -1)):
+        if task is not None:
+            held = len(case.nodes())
+            case.cancel_task(task)
+            wait(lambda h=held: len(case.nodes()) < h, 30, 0.5)
+        w = wait(
+            lambda: (w := world_now(case)) is not None and w == len(case.nodes()) and w, 90, 0.5
+        )
+        if not w or w >= NODES or w in own:
+            continue
+        rate = steady_rate(case, w, 3.0, 8.0)
+        if rate is not None:
+            own[w] = refs[w] = rate
+
+
 def idle_or_refuse(case: Case, limit: float) -> str | None:
     """None once no job but the bench's holds or waits for a node; else why not."""
     foreign = wait(lambda: not [i for i in case.queue() if not case.ours(i)], limit, 1.0)
@@ -381,11 +406,7 @@ def run_case(
         for (t0, w), (t1, _) in itertools.pairwise(timeline):
             node_s[w] += t1 - t0
         if system == "inplace" and NODES - 1 not in refs:
-            for w in range(NODES - 1, 0, -1):  # undisturbed at fewer nodes: cancel tasks
-                case.cancel_task(w)
-                rate = steady_rate(case, w, 3.0, 8.0)
-                if rate is not None:
-                    own[w] = refs[w] = rate
+            fewer_nodes_rates(case, own, refs)
         return {
             "useful_steps": done,
             "useful_samples": done * TRAIN["global_batch"],

@@ -160,7 +160,8 @@ class ShardedModel:
 
     def _on_step(self, *_: Any) -> None:
         if not self._loading:
-            self._fresh = False
+            # history now: state_dict() refuses it, so free its memory (a full state)
+            self._full, self._fresh = None, False
 
     # -- sharding ------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ in ``test_fsdp.py``.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import weakref
 from collections.abc import Iterator
 from contextlib import closing
 from typing import Any
@@ -132,6 +134,23 @@ def test_a_stale_full_state_is_never_handed_out(world_of_one: None) -> None:
     sharded.release()  # as after a lost peer: the group is gone
     with pytest.raises(ShardsLostError, match=r"older than the last optimizer step"):
         sharded.state_dict()
+
+
+def test_a_full_state_made_history_by_a_step_is_freed(world_of_one: None) -> None:
+    """The gathered full state is a copy of the whole model and optimizer state on every
+    rank: once a step makes it history (never handed out again) its memory goes."""
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    sharded = ShardedModel(FSDPConfig(build=_net), net, opt)
+    model = sharded.shard("cpu", 1)
+    _train(model, opt, 1)
+    sharded.gather()
+    kept = weakref.ref(sharded.state_dict()["optimizer"]["state"]["0.weight"]["exp_avg"])
+    gc.collect()
+    assert kept() is not None  # fresh: the session may still hand it out
+    _train(model, opt, 1)
+    gc.collect()
+    assert kept() is None
 
 
 def test_a_peer_state_of_another_model_is_refused_before_any_byte() -> None:
