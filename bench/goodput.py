@@ -51,6 +51,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +109,10 @@ def ledger(path: Path) -> list[dict[str, Any]]:
     return sample_ledger.read(path)
 
 
+#: seconds without a logged step after which the job's stacks are dumped (diagnosis)
+STALL_DUMP_S = 20.0
+
+
 def wait(pred: Any, limit: float, poll: float = 0.25) -> Any:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
@@ -128,7 +133,30 @@ class Case:
         self.high: list[str] = []
         self.frozen: list[int] = []
         self.frozen_node = ""
+        self.dumps: list[float] = []
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
+
+    def dump_if_stalled(self) -> None:
+        """Stacks of the job's processes (``py-spy dump``, if installed) into the case
+        directory when no step was logged for :data:`STALL_DUMP_S`: at most 3, spaced
+        by that much, for diagnosis (keep them with ``--keep``)."""
+        last = ledger(self.ledger_path)[-1:]
+        now = time.time()
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not last or now - last[0]["time"] < STALL_DUMP_S or not Path(spy).exists():
+            return
+        if len(self.dumps) >= 3 or (self.dumps and now - self.dumps[-1] < STALL_DUMP_S):
+            return
+        self.dumps.append(now)
+        found = subprocess.run(["pgrep", "-f", str(self.tmp)], capture_output=True, text=True)
+        out = self.tmp / f"stacks-{len(self.dumps)}.txt"
+        with open(out, "w") as fh:
+            fh.write(f"no step for {now - last[0]['time']:.1f} s (last: {last[0]})\n")
+            for pid in found.stdout.split():
+                fh.write(f"\n===== pid {pid}\n")
+                fh.flush()
+                subprocess.run([spy, "dump", "--pid", pid], stdout=fh, stderr=fh, timeout=30)
+        print(f"# stalled: stacks in {out}", file=sys.stderr, flush=True)
 
     def submit(self, steps: int) -> None:
         if self.system == "requeue":
@@ -304,6 +332,13 @@ def world_now(case: Case) -> int | None:
     return worlds.pop() if len(recs) == 12 and len(worlds) == 1 else None
 
 
+def all_tasks_train(case: Case) -> int | None:
+    """The world once every task the job holds trains in it (stacks dumped on a stall)."""
+    case.dump_if_stalled()
+    w = world_now(case)
+    return w if w is not None and w == len(case.nodes()) else None
+
+
 def fewer_nodes_rates(case: Case, own: dict[int, float], refs: dict[Any, float]) -> None:
     """Undisturbed rates below 4 nodes: once every task the job holds trains (after a
     storm the thawed node rejoins first), then with one task cancelled at a time."""
@@ -312,9 +347,7 @@ def fewer_nodes_rates(case: Case, own: dict[int, float], refs: dict[Any, float])
             held = len(case.nodes())
             case.cancel_task(task)
             wait(lambda h=held: len(case.nodes()) < h, 30, 0.5)
-        w = wait(
-            lambda: (w := world_now(case)) is not None and w == len(case.nodes()) and w, 90, 0.5
-        )
+        w = wait(lambda: all_tasks_train(case), 90, 0.5)
         if not w or w >= NODES or w in own:
             continue
         rate = steady_rate(case, w, 3.0, 8.0)
@@ -372,6 +405,7 @@ def run_case(
         foreign: set[str] = set()
         log: list[str] = []
         while time.time() < t_a + n * period:
+            case.dump_if_stalled()
             queue = case.queue()
             foreign |= {i.job_id for i in queue if not case.ours(i)}
             timeline.append((time.time(), case.available(queue)))
