@@ -30,8 +30,9 @@ counts as available until the ``high`` job starts: the grace period is ours to s
 The uninterrupted throughput at 4, 3, 2 and 1 nodes is measured in the same run: at 4, the
 steady rate of each job before its window (the faster system's sets the reference); at
 3, 2 and 1, the in-place job after its window (once every task it holds trains again,
-then with one task cancelled at a time), scaled by the 4-node reference. The cluster must be idle: a case refuses to report when
-a job that is not the bench's holds or waits for a node.
+then with one task cancelled at a time), scaled by the 4-node reference. The cluster must
+be idle: a case refuses to report when a job that is not the bench's holds or waits for
+a node.
 
 Targets (issue 22): in place >= 0.90 efficiency at one preemption per 60 s (moonshot
 0.95) and >= 1.5x the whole-job requeue's useful samples; the storm is reported.
@@ -140,18 +141,22 @@ class Case:
         """Stacks of the job's processes (``py-spy dump``, if installed) into the case
         directory when no step was logged for :data:`STALL_DUMP_S`: at most 3, spaced
         by that much, for diagnosis (keep them with ``--keep``)."""
-        last = ledger(self.ledger_path)[-1:]
         now = time.time()
-        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        if not last or now - last[0]["time"] < STALL_DUMP_S or not Path(spy).exists():
-            return
         if len(self.dumps) >= 3 or (self.dumps and now - self.dumps[-1] < STALL_DUMP_S):
             return
+        try:  # the ledger's mtime: one stat per call, not a read of the whole ledger
+            quiet = now - self.ledger_path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if quiet < STALL_DUMP_S or not Path(spy).exists():
+            return
+        last = ledger(self.ledger_path)[-1:]
         self.dumps.append(now)
         found = subprocess.run(["pgrep", "-f", str(self.tmp)], capture_output=True, text=True)
         out = self.tmp / f"stacks-{len(self.dumps)}.txt"
         with open(out, "w") as fh:
-            fh.write(f"no step for {now - last[0]['time']:.1f} s (last: {last[0]})\n")
+            fh.write(f"no step for {quiet:.1f} s (last: {last})\n")
             for pid in found.stdout.split():
                 fh.write(f"\n===== pid {pid}\n")
                 fh.flush()

@@ -132,7 +132,7 @@ def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path
         # which no Python code can catch. The agent sees a failed worker and restarts it
         # (docs/live.md, Limits). What this test checks is the classification otherwise.
         assert "terminate called" in _logs(tmp_path), _logs(tmp_path)
-        pytest.skip("gloo aborted the surviving process (std::terminate, not catchable)")
+        pytest.skip(reason="gloo aborted the surviving process (std::terminate, not catchable)")
     assert survivor == 0, _logs(tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["peer_failure"] is True, result

@@ -77,7 +77,7 @@ def net() -> Iterator[Net]:
     if why and os.environ.get("CI"):  # CI runs as root with iproute2: a missing install
         pytest.fail(f"the partition test cannot cut links in CI: {why}")
     if why:
-        pytest.skip(f"cannot cut a node's link on this machine: {why}")
+        pytest.skip(reason=f"cannot cut a node's link on this machine: {why}")
     rnd = os.getpid() % 200 + 20
     tag = f"sep{os.getpid() % 10000:04d}"
     net = Net(tag, f"10.217.{rnd}")
