@@ -153,6 +153,40 @@ def processes_mentioning(text: str) -> list[Proc]:
     return found
 
 
+def _signal_masks(pid: int) -> dict[str, int]:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return {
+        key: int(value.strip(), 16)
+        for key, _, value in (line.partition(":") for line in status.splitlines())
+        if key in ("SigBlk", "SigCgt")
+    }
+
+
+def batch_script_holds(job_id: str, signum: int) -> bool:
+    """Whether job ``job_id``'s batch script is past the point where a notice ``signum``
+    could be lost: its process (the child of ``slurmstepd: [<job_id>.batch]``) blocks
+    the signal (the ``elastic_array`` script's re-run, holding it pending) or is the
+    agent with its handler. Slurm says ``RUNNING`` before the node starts the batch
+    step, and drops a signal sent in that gap; the script's first lines re-run it with
+    the signal blocked, and a notice during that ``exec`` is dropped (a documented
+    limit, ``docs/reliability.md``)."""
+    bit = 1 << (signum - 1)
+    stepds = {p.pid for p in processes_mentioning(f"slurmstepd: [{job_id}.batch]")}
+    for entry in os.listdir("/proc"):
+        proc = _read_proc(int(entry)) if entry.isdigit() else None
+        if proc is None or proc.ppid not in stepds or proc.cmdline.startswith("slurmstepd"):
+            continue
+        masks = _signal_masks(proc.pid)
+        if masks.get("SigBlk", 0) & bit or (
+            masks.get("SigCgt", 0) & bit and "slurm_script" not in proc.cmdline
+        ):
+            return True
+    return False
+
+
 @dataclass
 class FaultRun:
     """One training job of the matrix on the local cluster.
