@@ -50,7 +50,9 @@ the builtin (``ValueError``, ``TimeoutError``, ...) catches ours too.
     │                                  the receiver's was replaced
     ├── ShardsLostError                a peer's shards are gone, no newer full copy
     ├── PeerLostError                  (also RuntimeError) a peer of the process group
-    │                                  is gone (its gloo group could not form)
+    │   │                              is gone (its gloo group could not form)
+    │   └── RoundSupersededError       the assigned round's store is gone and a newer
+    │                                  round is assigned
     ├── ReformTimeoutError             (also RuntimeError) no new round came in time
     │                                  after a peer failed: restart instead
     ├── UnsafeDirectoryError           (also PermissionError) a directory of ours is a
@@ -87,6 +89,7 @@ __all__ = [
     "RendezvousSetupError",
     "RoundBrokenError",
     "RoundLostError",
+    "RoundSupersededError",
     "RunIdInUseError",
     "RunNotFoundError",
     "ShardsLostError",
@@ -281,6 +284,12 @@ class PeerLostError(SlurmElasticError, RuntimeError):
     """A peer of the process group is gone: the group could not form (gloo could not
     connect to it). The in-place loop waits for the next round; also a ``RuntimeError``,
     the type torch's gloo error it replaces has."""
+
+
+class RoundSupersededError(PeerLostError):
+    """The assigned round's store is unreachable and a newer round is assigned: the
+    worker skips to it (a peer failure for the in-place loop, whose next round is
+    there already)."""
 
 
 class ReformTimeoutError(SlurmElasticError, RuntimeError):

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
-from slurm_elastic.errors import PeerLostError, ReformTimeoutError
+from slurm_elastic.errors import PeerLostError, ReformTimeoutError, RoundSupersededError
 from slurm_elastic.live import auth, control
 from slurm_elastic.live.abort import (
     StallGuard,
@@ -96,6 +96,12 @@ def is_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, (dist.DistError, PeerLostError)):
         return True
     return type(exc) is RuntimeError and connection_lost(_links.connections)
+
+
+#: A round's store connect is tried this long before a newer assignment is looked for.
+_CONNECT_SLICE_S = 1.0
+#: and given up after this long (or the collective timeout, if shorter).
+_CONNECT_BUDGET_S = 10.0
 
 
 @dataclass
@@ -280,13 +286,36 @@ class LiveWorld:
     # -- building blocks --------------------------------------------------------------------
 
     def _connect(self, a: control.Assignment) -> Any:
-        client = dist.TCPStore(
-            a.master_addr,
-            a.master_port,
-            is_master=False,
-            timeout=timedelta(seconds=min(10.0, self.timeout.total_seconds())),
-            use_libuv=True,
-        )
+        """Connect to round ``a``'s store and announce this rank ready in it.
+
+        The connect is tried in slices of :data:`_CONNECT_SLICE_S` within a budget of
+        :data:`_CONNECT_BUDGET_S`: between slices a newer assignment supersedes ``a``
+        (:class:`RoundSupersededError`). A worker that comes back from a freeze finds the
+        rounds it missed gone; torch retries a refused connect until its timeout, so
+        each stale round would otherwise cost the whole budget while its peers wait for
+        it in the newest round (the storm of ``bench/goodput.py``, docs/live.md).
+        """
+        budget_end = time.monotonic() + min(_CONNECT_BUDGET_S, self.timeout.total_seconds())
+        while True:
+            slice_s = max(0.1, min(_CONNECT_SLICE_S, budget_end - time.monotonic()))
+            try:
+                client = dist.TCPStore(
+                    a.master_addr,
+                    a.master_port,
+                    is_master=False,
+                    timeout=timedelta(seconds=slice_s),
+                    use_libuv=True,
+                )
+                break
+            except dist.DistError:
+                if time.monotonic() >= budget_end:
+                    raise
+                newer = self._watch.poll(force=True) if self._watch is not None else None
+                if newer is not None and newer.round > a.round:
+                    raise RoundSupersededError(
+                        f"round {a.round}'s store at {a.master_addr}:{a.master_port} is "
+                        f"unreachable and round {newer.round} is assigned: skipping it"
+                    ) from None
         client.set_timeout(self.timeout)
         store: Any = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
         if self._run_key is not None:  # only the run's processes can take a seat

@@ -1,0 +1,80 @@
+"""A worker skips a round whose store is gone once a newer round is assigned.
+
+Seen in the storm of ``bench/goodput.py`` (docs/live.md): a node thawed after a freeze
+finds the rounds it missed gone. torch retries a refused store connect until its timeout
+(after a back-off, once more), so each stale round cost the worker ~27 s while the survivors waited
+for it in the newest round's formation. Now the connect is tried in short slices and a
+newer assignment ends it (``RoundSupersededError``, a peer failure: the loop goes on to
+the next round). Real parts: a real ``TCPStore`` for the newer round, a port with nothing
+behind it for the stale one, the real control files and ``LiveWorld``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from slurm_elastic.errors import RoundSupersededError
+from slurm_elastic.live import ElasticState, control
+from slurm_elastic.live.world import LiveWorld, is_peer_failure
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _world(directory: Path, monkeypatch: pytest.MonkeyPatch) -> LiveWorld:
+    monkeypatch.setenv(control.CONTROL_DIR_ENV, str(directory))
+    monkeypatch.setenv(control.ROUND_ENV, "3")
+    live = LiveWorld(
+        ElasticState(torch.nn.Linear(1, 1)),
+        backend="gloo",
+        ddp_kwargs={},
+        timeout=timedelta(seconds=60),
+        reform_timeout_s=30,
+        in_place=True,
+        stall_abort_s=None,
+    )
+    live._watch = control.AssignmentWatch(directory, 0, 3)
+    return live
+
+
+def _assignment(round_: int, port: int) -> control.Assignment:
+    return control.Assignment(round_, 0, 1, 0, 0, 1, "127.0.0.1", port)
+
+
+def test_a_stale_round_whose_store_is_gone_is_skipped_for_the_newer_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "control"
+    directory.mkdir(mode=0o700)
+    live = _world(directory, monkeypatch)
+    stale = _assignment(4, _free_port())  # its store is gone: nothing listens there
+    control.write_assignment(directory, stale)
+    assert live._watch is not None and live._watch.poll(force=True) == stale
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    newer = _assignment(5, master.port)
+    writer = threading.Timer(0.5, control.write_assignment, (directory, newer))
+    started = time.monotonic()
+    writer.start()
+    try:
+        with pytest.raises(RoundSupersededError, match="round 5 is assigned") as caught:
+            live._connect(stale)
+        took = time.monotonic() - started
+        # before: torch's 10-s connect timeout, its back-off and a second try (27 s here)
+        assert took < 8.0, f"{took:.1f} s to give up on the stale round"
+        assert is_peer_failure(caught.value)  # the loop waits for the next round
+        # the readiness poll now holds the newer round, all of its ranks ready
+        assert live.ready_round() == newer.round + 1
+        assert live.pending_round() == newer.round
+    finally:
+        writer.cancel()
