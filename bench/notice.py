@@ -70,11 +70,9 @@ def main() -> None:
     results = []
 
     with tempfile.TemporaryDirectory() as tmp:
-        hb = Path(tmp) / "hb"
         naive = Path(tmp) / "hb-naive"
         notice_file = Path(tmp) / "notice"
-        os.environ[notice.NOTICE_FILE_ENV] = str(notice_file)
-        os.environ[notice.HEARTBEAT_FILE_ENV] = str(hb)
+        os.environ[notice.NODE_DIR_ENV] = tmp
 
         def naive_write(step: int) -> None:
             with open(naive, "w") as fh:

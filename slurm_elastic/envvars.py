@@ -25,13 +25,11 @@ __all__ = [
     "CHECKPOINT_DIR_ENV",
     "CLUSTER_PREFIX",
     "CONFIG_KEY_PATTERN",
-    "CONTROL_DIR_ENV",
     "EVENTS_DIR_ENV",
-    "HEARTBEAT_FILE_ENV",
     "IN_PLACE_ENV",
     "KEY_FILE_ENV",
     "LOG_LEVEL_ENV",
-    "NOTICE_FILE_ENV",
+    "NODE_DIR_ENV",
     "NOTICE_HELD_ENV",
     "PREEMPT_SIGNAL_ENV",
     "PREFIX",
@@ -58,12 +56,10 @@ RUN_ID_ENV = f"{PREFIX}RUN_ID"
 CHECKPOINT_DIR_ENV = f"{PREFIX}CHECKPOINT_DIR"
 EVENTS_DIR_ENV = f"{PREFIX}EVENTS_DIR"
 REQUEUE_COUNT_ENV = f"{PREFIX}REQUEUE_COUNT"
-NOTICE_FILE_ENV = f"{PREFIX}NOTICE_FILE"
+NODE_DIR_ENV = f"{PREFIX}NODE_DIR"
 NOTICE_HELD_ENV = f"{PREFIX}NOTICE_HELD"
-HEARTBEAT_FILE_ENV = f"{PREFIX}HEARTBEAT_FILE"
 PREEMPT_SIGNAL_ENV = f"{PREFIX}PREEMPT_SIGNAL"
 LOG_LEVEL_ENV = f"{PREFIX}LOG_LEVEL"
-CONTROL_DIR_ENV = f"{PREFIX}CONTROL_DIR"
 ROUND_ENV = f"{PREFIX}ROUND"
 IN_PLACE_ENV = f"{PREFIX}IN_PLACE"
 KEY_FILE_ENV = f"{PREFIX}KEY_FILE"
@@ -152,10 +148,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "training scripts (informational)",
     ),
     EnvVar(
-        NOTICE_FILE_ENV,
-        "the node-local file whose existence means 'preempted: checkpoint and exit'",
+        NODE_DIR_ENV,
+        "the node channel: the agent's private node-local directory of the messages "
+        "between it and its workers (notice, progress, registrations, assignments; "
+        "`slurm_elastic.channel` lists them)",
         "the agent, for its workers",
-        "`slurm_elastic.notice` in the workers",
+        "`slurm_elastic.notice` and `slurm_elastic.live` in the workers; the agent",
     ),
     EnvVar(
         NOTICE_HELD_ENV,
@@ -163,18 +161,6 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(raised again, pending); unset before `setup`",
         "the `elastic_array` job script, for itself",
         "the `elastic_array` job script",
-    ),
-    EnvVar(
-        HEARTBEAT_FILE_ENV,
-        "the node-local file where workers record progress (the hang watchdog)",
-        "the agent, for its workers",
-        "`notice.report_progress` in the workers; the agent's watchdog",
-    ),
-    EnvVar(
-        CONTROL_DIR_ENV,
-        "the node-local control channel: worker registrations and new-round assignments",
-        "the agent, for its workers",
-        "`slurm_elastic.live` in the workers; the agent",
     ),
     EnvVar(
         ROUND_ENV,

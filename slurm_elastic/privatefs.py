@@ -1,7 +1,7 @@
 """Private directories on a shared filesystem (torch-free, Slurm-free).
 
 Every directory slurm_elastic creates (the state directory and, below it, the rendezvous,
-checkpoints, events, logs; the node control directory, the run
+checkpoints, events, logs; the node channel directory, the run
 index) is made by :func:`ensure_private_dir`:
 
 * each missing component is created ``0700`` *exactly*: ``mkdir`` filters its mode through

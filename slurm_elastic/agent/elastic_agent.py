@@ -52,7 +52,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -69,6 +68,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from slurm_elastic import _startup_seam, events, notice, procstat
 from slurm_elastic.agent.round_store import RoundBoundStore
 from slurm_elastic.agent.watchdog import ProgressWatch
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import RoundLostError
 from slurm_elastic.live import control
 from slurm_elastic.rendezvous.protocols import (
@@ -117,13 +117,12 @@ class SlurmElasticAgent(LocalElasticAgent):
     Args:
         membership_grace_s: how long a failed group waits for the rendezvous to report a
             membership change before its failure is charged to ``max_restarts``.
-        progress: the watch over the workers' heartbeat file.
+        progress: the watch over the workers' progress file.
         hang_timeout_s: fail the group after this long without progress; ``None`` = off.
         before_round: called before each rendezvous round that (re)starts the local
             workers, once the previous ones are stopped (the launcher clears the
             per-round notice, progress and control files there).
-        control_dir: the node's control channel directory.
-        notice_file: the workers' notice file (raised before a membership restart).
+        channel: the node channel (its notice is raised before a membership restart).
         notice_signal: the signal the workers handle as a notice.
         leave: called once to leave the rendezvous without closing it.
         leave_timeout_s: how long leaving workers may take to exit after the notice.
@@ -137,8 +136,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         progress: ProgressWatch,
         hang_timeout_s: float | None,
         before_round: Callable[[WorkerGroup], None],
-        control_dir: Path,
-        notice_file: Path,
+        channel: NodeChannel,
         notice_signal: signal.Signals,
         leave: Callable[[], None],
         leave_timeout_s: float,
@@ -149,8 +147,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._progress = progress
         self._hang_timeout_s = hang_timeout_s
         self._before_round = before_round
-        self._control_dir = control_dir
-        self._notice_file = notice_file
+        self._channel = channel
         self._notice_signal = notice_signal
         self._leave = leave
         self._leave_timeout_s = leave_timeout_s
@@ -333,7 +330,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         if not control.in_place_enabled():
             return False
         pids = {w.local_rank: w.id for w in self._worker_group.workers}
-        return bool(pids) and control.registered_workers(self._control_dir, live=live) == pids
+        return bool(pids) and control.registered_workers(self._channel, live=live) == pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         charged, self._charged = self._charged, False
@@ -370,7 +367,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         with seat:  # newcomers must not take every seat while these workers train
             self._rendezvous(worker_group)  # the workers keep training meanwhile
         events.compact()  # files of this node's gone processes (e.g. an agent that left)
-        if control.registered_workers(self._control_dir) != pids:
+        if control.registered_workers(self._channel) != pids:
             # They withdrew while this node waited for a place: the round the others
             # switched to filled max_nodes without it (it waited as a spare), so they
             # left at that switch. This round has a place: start new workers in it.
@@ -388,7 +385,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         round_ = _round_of(worker_group.spec.rdzv_handler)
         for worker in worker_group.workers:
             control.write_assignment(
-                self._control_dir,
+                self._channel,
                 control.Assignment(
                     round=round_,
                     rank=worker.global_rank,
@@ -425,7 +422,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         pcontext = self._pcontext
         if pcontext is None:
             return
-        notice.raise_notice(self._notice_file, reason="restart")
+        notice.raise_notice(self._channel, reason="restart")
         for pid in pcontext.pids().values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, self._notice_signal)

@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
 )
 
-from slurm_elastic import envvars, events, notice
+from slurm_elastic import envvars, events
 from slurm_elastic.agent import node_dirs
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
@@ -62,6 +62,7 @@ from slurm_elastic.agent.stop import (
 )
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.agent.worker_env import python_entrypoint, worker_environment
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import (
     ConfigError,
@@ -70,7 +71,6 @@ from slurm_elastic.errors import (
     SlurmError,
     UnsafeDirectoryError,
 )
-from slurm_elastic.live import control
 from slurm_elastic.slurm.control import SlurmControl
 from slurm_elastic.slurm.env import SlurmEnv
 
@@ -111,9 +111,7 @@ def run_agent(
     slurm = SlurmEnv.from_environ(env)
     node_dirs.sweep()  # of agents killed before they could remove theirs
     node_dir = node_dirs.create()
-    notice_file = node_dir / "notice"
-    heartbeat_file = node_dir / "progress"
-    control_dir = node_dir / "control"
+    channel = NodeChannel(node_dir)
     try:
         return _run(
             _Launch(
@@ -126,9 +124,7 @@ def run_agent(
                 rdzv_conf=rdzv_conf,
                 slurm=slurm,
                 client=client,
-                notice_file=notice_file,
-                heartbeat_file=heartbeat_file,
-                control_dir=control_dir,
+                channel=channel,
             )
         )
     finally:
@@ -146,8 +142,8 @@ class _Launch:
         rdzv_conf: extra rendezvous settings (``--rdzv-conf``).
         slurm: the node's Slurm environment.
         client: the Slurm seam (``None``: the default one, created when first needed).
-        notice_file, heartbeat_file, control_dir: the node-local files through which the
-            agent and its workers talk (:mod:`.node_dirs`).
+        channel: the node channel through which the agent and its workers talk (its
+            directory: :mod:`.node_dirs`).
     """
 
     config: ElasticConfig
@@ -159,26 +155,20 @@ class _Launch:
     rdzv_conf: Mapping[str, str] | None
     slurm: SlurmEnv
     client: SlurmControl | None
-    notice_file: Path
-    heartbeat_file: Path
-    control_dir: Path
+    channel: NodeChannel
 
 
 def _run(launch: _Launch) -> int:
     """The agent's life in steps: the run's files, the stop signals, the rendezvous, the
     workers' rounds, and what the node asks of Slurm as it leaves."""
     config = launch.config
-    os.environ.update(
-        worker_environment(
-            config, launch.slurm, launch.notice_file, launch.heartbeat_file, launch.control_dir
-        )
-    )
+    os.environ.update(worker_environment(config, launch.slurm, launch.channel))
     log.info("agent config: %s", config.as_dict())
     log_dir, redirects, tee = worker_logs(config, launch.redirects, launch.tee)
     if not _prepare_run_files(config, log_dir):
         return ExitCode.USAGE
     _announce_start(launch, log_dir)
-    stop, early = install_stop_handlers(config.preempt_signum, launch.notice_file)
+    stop, early = install_stop_handlers(config.preempt_signum, launch.channel)
     handler = _open_rendezvous(launch, stop, early)
     if isinstance(handler, ExitCode):
         return handler
@@ -274,9 +264,7 @@ def _make_agent(
     def before_round(group: WorkerGroup) -> None:
         # The old workers are stopped: the next ones start clean, with no stale notice
         # and no progress report of the last attempt.
-        notice.clear_notice(launch.notice_file)
-        notice.clear_notice(launch.heartbeat_file)
-        control.clear(launch.control_dir)
+        launch.channel.clear()
 
     return SlurmElasticAgent(
         spec=spec,
@@ -293,11 +281,10 @@ def _make_agent(
         # The watchdog arms at the first progress report of a round: start-up (imports,
         # data loading, process-group init) may legitimately take long, and a peer that
         # never arrives is the rendezvous' business, not the watchdog's.
-        progress=ProgressWatch(launch.heartbeat_file),
+        progress=ProgressWatch(launch.channel.progress),
         hang_timeout_s=config.hang_timeout_s,
         before_round=before_round,
-        control_dir=launch.control_dir,
-        notice_file=launch.notice_file,
+        channel=launch.channel,
         notice_signal=stop.notice_signal,
         leave=lambda: leave_rendezvous(handler),
         leave_timeout_s=config.shutdown_timeout_s,

@@ -16,7 +16,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -25,6 +24,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from slurm_elastic import events, notice, signals
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.agent.requeue import requeue_own
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import SlurmError
 from slurm_elastic.rendezvous.protocols import LeavableRendezvous
@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 class Stop:
     """What asked the agent to stop; set from signal handlers (main thread only)."""
 
-    def __init__(self, notice_signal: signal.Signals, notice_file: Path) -> None:
+    def __init__(self, notice_signal: signal.Signals, channel: NodeChannel) -> None:
         self.notice_signal = notice_signal
-        self.notice_file = notice_file
+        self.channel = channel
         #: the signals whose handler this is
         self.handled = frozenset({notice_signal, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
         self.noticed = False  # preemption/time-limit notice seen
@@ -63,7 +63,7 @@ class Stop:
         if sig == self.notice_signal:
             self.noticed = True
         # Workers learn of it from the file even before the forwarded signal arrives.
-        notice.raise_notice(self.notice_file, reason=sig.name)
+        notice.raise_notice(self.channel, reason=sig.name)
         if self.stopping:
             return  # e.g. Slurm's SIGTERM after the USR2 notice: already shutting down
         # A notice, or Slurm's SIGTERM at preemption (KillWait follows): leave in place
@@ -90,7 +90,7 @@ class Stop:
 
 
 def install_stop_handlers(
-    notice_signal: signal.Signals, notice_file: Path
+    notice_signal: signal.Signals, channel: NodeChannel
 ) -> tuple[Stop, list[signal.Signals]]:
     """Take over the notice signal and SIGTERM/SIGHUP/SIGQUIT (main thread only).
 
@@ -99,7 +99,7 @@ def install_stop_handlers(
         (:func:`slurm_elastic.signals.hold_early_notices`) for the caller to act on once
         it can handle the :class:`SignalException` that acting raises.
     """
-    stop = Stop(notice_signal, notice_file)
+    stop = Stop(notice_signal, channel)
     for sig in stop.handled:
         signal.signal(sig, stop.handler)
     early = signals.take_early_notices(stop.handled)

@@ -1,13 +1,13 @@
 """The agent's hang watchdog clock: progress ages measured on the node's monotonic clock.
 
-Workers rewrite their heartbeat file (:func:`slurm_elastic.notice.report_progress`) as they
+Workers rewrite their progress file (:func:`slurm_elastic.notice.report_progress`) as they
 make progress. The watchdog never compares the wall-clock time written in the file with
 its own wall clock (a clock step of +100 s would then look like 100 s without progress
 and restart healthy workers): it notes, on its own ``time.monotonic()``, when it last saw
 the file's content change, and the age of the progress is the monotonic time since.
 
-The file is read with :func:`slurm_elastic.notice.read_node_file`: a FIFO, a directory or
-a link at its name, or a file too large to be a heartbeat, reads as no report (with a
+The file is read with :func:`slurm_elastic.channel.read_node_file`: a FIFO, a directory or
+a link at its name, or a file too large to be a progress line, reads as no report (with a
 warning), so it can neither block the agent's monitor loop nor pass for progress.
 """
 
@@ -18,13 +18,13 @@ import os
 import time
 from collections.abc import Callable
 
-from slurm_elastic.notice import read_node_file
+from slurm_elastic.channel import read_node_file
 
 __all__ = ["ProgressWatch"]
 
 log = logging.getLogger(__name__)
 
-# The heartbeat line is 42 bytes; a larger file is not a heartbeat and is not read.
+# The progress line is 42 bytes; a larger file is not one and is not read.
 _MAX_BYTES = 4096
 
 
@@ -32,7 +32,7 @@ class ProgressWatch:
     """Age of the last progress report, on the reader's monotonic clock.
 
     Args:
-        path: the workers' heartbeat file.
+        path: the workers' progress file.
         clock: the monotonic clock (injectable for tests).
 
     The watch arms at the first report of a set of workers (:meth:`reset` disarms it):
@@ -55,7 +55,7 @@ class ProgressWatch:
         return None if found is None else found.data
 
     def age_s(self) -> float:
-        """Seconds since the heartbeat content last changed; 0 before the first report."""
+        """Seconds since the progress content last changed; 0 before the first report."""
         now = self._clock()
         content = self._read()
         if content is not None and content != self._last:

@@ -2,7 +2,7 @@
 
 Besides torch's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), each worker gets
 :data:`WORKER_ENV`: the run's id and directories, the requeue count, and the node-local
-files through which the agent and its workers talk (notice, progress, control).
+channel through which the agent and its workers talk (:mod:`slurm_elastic.channel`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from slurm_elastic import envvars
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.live import control
 from slurm_elastic.slurm.env import SlurmEnv
@@ -28,10 +28,8 @@ WORKER_ENV = (
     envvars.CHECKPOINT_DIR_ENV,
     envvars.EVENTS_DIR_ENV,
     envvars.REQUEUE_COUNT_ENV,
-    envvars.NOTICE_FILE_ENV,
-    envvars.HEARTBEAT_FILE_ENV,
+    envvars.NODE_DIR_ENV,
     envvars.PREEMPT_SIGNAL_ENV,
-    control.CONTROL_DIR_ENV,
     control.ROUND_ENV,
 )
 
@@ -46,9 +44,7 @@ def python_entrypoint(entrypoint: str, args: Sequence[str], module: bool) -> tup
 def worker_environment(
     config: ElasticConfig,
     slurm: SlurmEnv,
-    notice_file: Path,
-    heartbeat_file: Path,
-    control_dir: Path,
+    channel: NodeChannel,
 ) -> dict[str, str]:
     """The variables to add to the agent's environment, which its workers inherit."""
     values: dict[str, object] = {
@@ -56,10 +52,8 @@ def worker_environment(
         envvars.CHECKPOINT_DIR_ENV: config.checkpoint_dir,
         envvars.EVENTS_DIR_ENV: config.events_dir,
         envvars.REQUEUE_COUNT_ENV: slurm.restart_count,
-        envvars.NOTICE_FILE_ENV: notice_file,
-        envvars.HEARTBEAT_FILE_ENV: heartbeat_file,
+        **channel.environment(),
         envvars.PREEMPT_SIGNAL_ENV: config.preempt_signal,
-        control.CONTROL_DIR_ENV: control_dir,
         # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
     }

@@ -43,9 +43,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from slurm_elastic import events
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.live import control
 
 __all__ = [
@@ -151,7 +151,7 @@ class StallGuard:
     """Aborts this worker's blocked gloo collective once a lost member's round is assigned.
 
     Args:
-        directory: the node's control directory.
+        channel: the node channel (its assignments).
         local_rank: this worker's local rank (names its assignment file).
         min_stall_s: never abort a step that has run for less than this.
         stall_factor: nor one shorter than this many times the longest recent step.
@@ -167,7 +167,7 @@ class StallGuard:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        channel: NodeChannel,
         local_rank: int,
         *,
         min_stall_s: float = 1.0,
@@ -182,7 +182,7 @@ class StallGuard:
         ):
             if not value > 0:
                 raise ValueError(f"StallGuard {name}={value!r}: must be > 0")
-        self._directory = Path(directory)
+        self._channel = channel
         self._local_rank = local_rank
         self.min_stall_s = min_stall_s
         self.stall_factor = stall_factor
@@ -208,7 +208,7 @@ class StallGuard:
             self._round = round_
             self._sockets = sockets
             self._watch = control.AssignmentWatch(
-                self._directory, self._local_rank, round_, min_interval_s=0.0
+                self._channel, self._local_rank, round_, min_interval_s=0.0
             )
             self._loss = None
             self._last_beat = self._clock()

@@ -37,6 +37,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from slurm_elastic.envvars import KEY_FILE_ENV
-from slurm_elastic.errors import UnsafeDirectoryError
+from slurm_elastic.errors import RoundSupersededError, UnsafeDirectoryError
 
 __all__ = [
     "KEY_BYTES",
@@ -65,6 +66,8 @@ _NONCE = 16
 _TAG = 32
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _POLL_S = 0.05
+#: A wait of a store with ``abandon`` looks at it this often.
+WAIT_SLICE_S = 0.5
 
 
 # ---------------------------------------------------------------------------- the key
@@ -216,13 +219,24 @@ class SealedStore(dist.Store):
         inner: the round's store (e.g. a ``PrefixStore`` over its ``TCPStore``).
         key: the round key (:func:`round_key`).
         timeout: how long :meth:`get` waits for a value that opens.
+        abandon: asked between slices of a wait (:data:`WAIT_SLICE_S`); a reason it
+            returns ends the wait with :class:`~slurm_elastic.errors.RoundSupersededError`
+            (the round's group is forming and a newer round is assigned: the peers it
+            waits for have gone on). ``None``: waits run their whole timeout.
     """
 
-    def __init__(self, inner: Any, key: bytes, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        key: bytes,
+        timeout: timedelta,
+        abandon: Callable[[], str | None] | None = None,
+    ) -> None:
         super().__init__()
         self._inner = inner
         self._key = key
         self._timeout = timeout
+        self._abandon = abandon
         self._warned: set[str] = set()
 
     def set(self, key: str, value: Any) -> None:
@@ -239,6 +253,8 @@ class SealedStore(dist.Store):
         return value
 
     def get(self, key: str) -> bytes:
+        if self._abandon is not None:
+            self.wait([key])  # the inner get would block the whole timeout
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
             value = unseal(self._key, key, self._inner.get(key))
@@ -266,10 +282,24 @@ class SealedStore(dist.Store):
             )
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if timeout is None:
-            self._inner.wait(keys)
-        else:
-            self._inner.wait(keys, timeout)
+        if self._abandon is None:
+            if timeout is None:
+                self._inner.wait(keys)
+            else:
+                self._inner.wait(keys, timeout)
+            return
+        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+        while True:
+            part = max(0.001, min(WAIT_SLICE_S, deadline - time.monotonic()))
+            try:
+                self._inner.wait(keys, timedelta(seconds=part))
+                return
+            except dist.DistStoreError:  # this slice timed out
+                if time.monotonic() >= deadline:
+                    raise
+                reason = self._abandon()
+                if reason is not None:
+                    raise RoundSupersededError(reason) from None
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._inner.check(keys))

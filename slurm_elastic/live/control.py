@@ -1,7 +1,8 @@
-"""The node's control channel between an agent and its workers (torch-free).
+"""The in-place messages of the node channel: registrations and assignments (torch-free).
 
-A directory on the node (``$SLURM_ELASTIC_CONTROL_DIR``, private to the agent's user)
-holds small JSON files, each written atomically (temporary file + ``rename``):
+Two messages of the node channel (:mod:`slurm_elastic.channel`, which owns the
+directory, lists every message and clears them), each a small JSON file written
+atomically (temporary file + ``rename``):
 
 * ``worker.<local_rank>``: written by a worker that can re-form its process group in
   place (:func:`register_worker`): ``{"pid": ..., "live": true}``. The agent re-forms in
@@ -20,11 +21,11 @@ assignment for the same or an older round is stale and ignored. ``$SLURM_ELASTIC
 = ``0`` switches the in-place path off for agent and workers alike (the restart path).
 
 The files are read as hostile input (any process of the user can write the directory):
-through :func:`slurm_elastic.notice.read_node_file` (no FIFO, directory, device or link
+through :func:`slurm_elastic.channel.read_node_file` (no FIFO, directory, device or link
 is opened for reading, nothing larger than :data:`MAX_FILE_BYTES` is read), parsed as
 strict JSON (``NaN``/``Infinity`` refused), and every number checked for type (an integer,
 not a bool or a float) and range. A file that fails is ignored with a warning naming it
-(rate-limited, see :func:`slurm_elastic.notice.warn_ignored`), as if it were absent.
+(rate-limited, see :func:`slurm_elastic.channel.warn_ignored`), as if it were absent.
 """
 
 from __future__ import annotations
@@ -41,16 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic import envvars
-from slurm_elastic.notice import read_node_file, warn_ignored, write_node_file
+from slurm_elastic.channel import NodeChannel, read_node_file, warn_ignored, write_node_file
 
 __all__ = [
-    "CONTROL_DIR_ENV",
     "IN_PLACE_ENV",
     "MAX_FILE_BYTES",
     "ROUND_ENV",
     "Assignment",
     "AssignmentWatch",
-    "clear",
     "in_place_enabled",
     "read_assignment",
     "register_worker",
@@ -59,7 +58,6 @@ __all__ = [
     "write_assignment",
 ]
 
-CONTROL_DIR_ENV = envvars.CONTROL_DIR_ENV
 ROUND_ENV = envvars.ROUND_ENV
 IN_PLACE_ENV = envvars.IN_PLACE_ENV
 
@@ -220,22 +218,20 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def register_worker(
-    directory: str | os.PathLike[str], local_rank: int, pid: int, *, live: bool = True
-) -> None:
+def register_worker(channel: NodeChannel, local_rank: int, pid: int, *, live: bool = True) -> None:
     """Announce that worker ``local_rank`` (process ``pid``) can re-form in place, or
     (``live=False``) that it is starting: no step trained yet, nothing of its to save."""
-    _write_json(Path(directory) / f"worker.{local_rank}", {"pid": pid, "live": live})
+    _write_json(channel.registration(local_rank), {"pid": pid, "live": live})
 
 
-def unregister_worker(directory: str | os.PathLike[str], local_rank: int) -> None:
+def unregister_worker(channel: NodeChannel, local_rank: int) -> None:
     """Withdraw worker ``local_rank``'s registration (it is leaving: the agent must start
     a new worker, not re-form this one, if its node gets a place in a later round)."""
     with contextlib.suppress(FileNotFoundError):
-        (Path(directory) / f"worker.{local_rank}").unlink()
+        channel.registration(local_rank).unlink()
 
 
-def registered_workers(directory: str | os.PathLike[str], *, live: bool = True) -> dict[int, int]:
+def registered_workers(channel: NodeChannel, *, live: bool = True) -> dict[int, int]:
     """Return ``{local_rank: pid}`` of the workers registered as live (or, with
     ``live=False``, as starting).
 
@@ -244,9 +240,9 @@ def registered_workers(directory: str | os.PathLike[str], *, live: bool = True) 
     """
     found: dict[int, int] = {}
     try:
-        paths = sorted(Path(directory).glob("worker.*"))
+        paths = channel.registrations()
     except OSError as exc:
-        warn_ignored(log, directory, f"cannot list the control directory ({exc.strerror or exc})")
+        warn_ignored(log, channel.directory, f"cannot list it ({exc.strerror or exc})")
         return found
     for path in paths:
         suffix = path.name.split(".", 1)[1]
@@ -268,14 +264,14 @@ def registered_workers(directory: str | os.PathLike[str], *, live: bool = True) 
     return found
 
 
-def write_assignment(directory: str | os.PathLike[str], assignment: Assignment) -> None:
+def write_assignment(channel: NodeChannel, assignment: Assignment) -> None:
     """Hand ``assignment`` to the worker of its ``local_rank``."""
-    _write_json(Path(directory) / f"assign.{assignment.local_rank}", assignment.as_dict())
+    _write_json(channel.assignment(assignment.local_rank), assignment.as_dict())
 
 
-def read_assignment(directory: str | os.PathLike[str], local_rank: int) -> Assignment | None:
+def read_assignment(channel: NodeChannel, local_rank: int) -> Assignment | None:
     """The last assignment written for ``local_rank`` (``None``: none or unreadable)."""
-    path = Path(directory) / f"assign.{local_rank}"
+    path = channel.assignment(local_rank)
     data = _read_json(path)
     if data is None:
         return None
@@ -290,24 +286,11 @@ def read_assignment(directory: str | os.PathLike[str], local_rank: int) -> Assig
     return found
 
 
-def clear(directory: str | os.PathLike[str]) -> None:
-    """Remove every registration and assignment (before workers are (re)started)."""
-    with contextlib.suppress(FileNotFoundError):
-        for path in Path(directory).iterdir():
-            if path.name.startswith(("worker.", "assign.", ".")):
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # a directory planted at a control file's name
-                    warn_ignored(log, path, f"cannot remove it ({exc.strerror or exc})")
-
-
 class AssignmentWatch:
     """Cheap polling for a new assignment of one worker.
 
     Args:
-        directory: the control directory.
+        channel: the node channel.
         local_rank: the worker's local rank.
         current_round: assignments for this round or older are stale.
         min_interval_s: at most one ``stat`` per this interval.
@@ -315,13 +298,13 @@ class AssignmentWatch:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        channel: NodeChannel,
         local_rank: int,
         current_round: int,
         min_interval_s: float = 0.02,
     ) -> None:
-        self._path = Path(directory) / f"assign.{local_rank}"
-        self._directory = directory
+        self._path = channel.assignment(local_rank)
+        self._channel = channel
         self._local_rank = local_rank
         self.current_round = current_round
         self._min_interval_s = min_interval_s
@@ -345,7 +328,7 @@ class AssignmentWatch:
             key = None if st is None else (st.st_mtime_ns, st.st_ino)
             if key is not None and key != self._seen:
                 self._seen = key
-                found = read_assignment(self._directory, self._local_rank)
+                found = read_assignment(self._channel, self._local_rank)
                 if found is not None:
                     self._latest = found
         latest = self._latest

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from slurm_elastic import events, notice
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.checkpoint import CheckpointManager, loss_scale
 from slurm_elastic.live import control
 from slurm_elastic.live.boundary import Cadence, Departure, vote
@@ -582,7 +583,7 @@ def _in_place_available() -> bool:
     """In place is on, and this worker's agent gave it a control channel and a round."""
     return (
         control.in_place_enabled()
-        and bool(os.environ.get(control.CONTROL_DIR_ENV))
+        and NodeChannel.from_environ() is not None
         and control.Assignment.from_environ() is not None
     )
 

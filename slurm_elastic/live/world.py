@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_elastic import events, notice
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import PeerLostError, ReformTimeoutError, RoundSupersededError
 from slurm_elastic.live import auth, control
 from slurm_elastic.live.abort import (
@@ -163,10 +164,11 @@ class LiveWorld:
         # gloo cannot abort a collective that waits on a silently dead peer; the guard
         # ends it once the agent assigns a round without that peer (live/abort.py).
         self._guard: StallGuard | None = None
-        control_dir = os.environ.get(control.CONTROL_DIR_ENV)
-        if in_place and backend == "gloo" and stall_abort_s is not None and control_dir:
+        channel = NodeChannel.from_environ()
+        self._channel = channel
+        if in_place and backend == "gloo" and stall_abort_s is not None and channel:
             self._guard = StallGuard(
-                control_dir,
+                channel,
                 int(os.environ.get("LOCAL_RANK", "0")),
                 min_stall_s=stall_abort_s,
             )
@@ -228,18 +230,30 @@ class LiveWorld:
         first = control.Assignment.from_environ()
         if first is None:  # checked by the caller; the environment changed since
             raise RuntimeError("in-place mode without an assignment in the environment")
-        directory = os.environ[control.CONTROL_DIR_ENV]
+        channel = self._channel
+        if channel is None:  # checked by the caller; the environment changed since
+            raise RuntimeError("in-place mode without a node channel in the environment")
         # starting: a restart before the first step loses nothing (the agent need not
         # wait for a save that a join blocked on a lost peer could never make)
-        control.register_worker(directory, first.local_rank, os.getpid(), live=False)
-        self._watch = control.AssignmentWatch(directory, first.local_rank, first.round)
-        self._join(first, self._connect(first))
+        control.register_worker(channel, first.local_rank, os.getpid(), live=False)
+        self._watch = control.AssignmentWatch(channel, first.local_rank, first.round)
+        try:
+            self._join(first, self._connect(first))
+        except RoundSupersededError as exc:
+            # A newer round came while this worker starts: its agent restarts starting
+            # workers for it (they trained nothing). Failing now would be charged to the
+            # restart budget as a worker failure; wait for that restart instead.
+            log.info("%s: waiting for the agent to restart this starting worker", exc)
+            deadline = time.monotonic() + self.reform_timeout_s
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+            raise
         return self.sync_state()
 
     def register(self, local_rank: int) -> None:
         """Tell the agent this worker can re-form in place (after the first wrap)."""
-        if self.in_place:
-            control.register_worker(os.environ[control.CONTROL_DIR_ENV], local_rank, os.getpid())
+        if self.in_place and self._channel is not None:
+            control.register_worker(self._channel, local_rank, os.getpid())
 
     # -- readiness --------------------------------------------------------------------------
 
@@ -280,8 +294,8 @@ class LiveWorld:
 
     def unregister(self, local_rank: int) -> None:
         """Withdraw the registration (this worker leaves; see :meth:`register`)."""
-        if self.in_place:
-            control.unregister_worker(os.environ[control.CONTROL_DIR_ENV], local_rank)
+        if self.in_place and self._channel is not None:
+            control.unregister_worker(self._channel, local_rank)
 
     # -- building blocks --------------------------------------------------------------------
 
@@ -319,9 +333,25 @@ class LiveWorld:
         client.set_timeout(self.timeout)
         store: Any = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
         if self._run_key is not None:  # only the run's processes can take a seat
-            store = auth.SealedStore(store, auth.round_key(self._run_key, a.round), self.timeout)
+            store = auth.SealedStore(
+                store,
+                auth.round_key(self._run_key, a.round),
+                self.timeout,
+                abandon=lambda: self._superseded(a),
+            )
         store.set(f"ready/{a.rank}", "1")
         return store
+
+    def _superseded(self, a: control.Assignment) -> str | None:
+        """Why round ``a`` is no longer worth waiting for (a newer round is assigned to
+        this worker), else ``None``. Its store's waits ask it (:class:`auth.SealedStore`):
+        a worker that switched to a round whose peers have gone on to a newer one (a
+        peer that announced itself ready and then restarted, or skipped to the newer
+        round) stops waiting for them there instead of waiting the whole timeout."""
+        newer = self._watch.poll() if self._watch is not None else None
+        if newer is None or newer.round <= a.round:
+            return None
+        return f"round {newer.round} is assigned while round {a.round}'s group forms"
 
     def _join(self, a: control.Assignment, store: Any) -> None:
         before = self._group_sockets = connected_sockets()

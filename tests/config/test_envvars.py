@@ -74,8 +74,7 @@ def test_the_workers_environment_is_in_the_table() -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        envvars.NOTICE_FILE_ENV,
-        envvars.HEARTBEAT_FILE_ENV,
+        envvars.NODE_DIR_ENV,
         envvars.REQUEUE_COUNT_ENV,
         envvars.LOG_LEVEL_ENV,
         "SLURM_ELASTIC_CLUSTER",
@@ -84,7 +83,7 @@ def test_the_workers_environment_is_in_the_table() -> None:
     ],
 )
 def test_config_ignores_the_tables_non_config_variables(name: str) -> None:
-    # e.g. a worker that resolves a config inherits the agent's notice file variable
+    # e.g. a worker that resolves a config inherits the agent's node channel variable
     assert load_config(environ={name: "x"}).max_nodes == 1
 
 

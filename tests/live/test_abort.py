@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.live import ElasticLoop, control
 from slurm_elastic.live.abort import StallGuard, connected_sockets, shut_down_sockets
 
@@ -73,7 +74,9 @@ def _inode(sock: socket.socket) -> int:
 def test_guard_aborts_only_a_stall_after_a_lost_member(tmp_path: Path, connection) -> None:
     _client, server, mine = connection
     clock = Clock()
-    guard = StallGuard(tmp_path, 0, min_stall_s=1.0, stall_factor=3.0, poll_s=3600, clock=clock)
+    guard = StallGuard(
+        NodeChannel(tmp_path), 0, min_stall_s=1.0, stall_factor=3.0, poll_s=3600, clock=clock
+    )
     try:
         guard.arm(5, mine)
         for _ in range(3):  # steps of 0.5 s: threshold max(1, 3 x 0.5) = 1.5 s
@@ -82,16 +85,16 @@ def test_guard_aborts_only_a_stall_after_a_lost_member(tmp_path: Path, connectio
         assert guard.threshold_s() == pytest.approx(1.5)
         clock.now += 10.0
         assert not guard.check()  # stalled, but no newer round
-        control.write_assignment(tmp_path, assignment(6, after_loss=False))
+        control.write_assignment(NodeChannel(tmp_path), assignment(6, after_loss=False))
         assert not guard.check()  # a newer round for a newcomer only: a long step, no loss
         guard.arm(6, mine)
         for _ in range(3):
             clock.now += 0.5
             guard.beat()
         clock.now += 1.4
-        control.write_assignment(tmp_path, assignment(7, after_loss=True))
+        control.write_assignment(NodeChannel(tmp_path), assignment(7, after_loss=True))
         assert not guard.check()  # a member was lost but this worker still steps
-        control.write_assignment(tmp_path, assignment(8, after_loss=False))
+        control.write_assignment(NodeChannel(tmp_path), assignment(8, after_loss=False))
         clock.now += 0.2
         assert guard.check()  # stalled 1.6 s > 1.5 s, a loss since round 6: abort
         assert server.recv(1) == b""
@@ -103,11 +106,11 @@ def test_guard_aborts_only_a_stall_after_a_lost_member(tmp_path: Path, connectio
 def test_a_disarmed_guard_touches_nothing(tmp_path: Path, connection) -> None:
     client, server, mine = connection
     clock = Clock()
-    guard = StallGuard(tmp_path, 0, poll_s=3600, clock=clock)
+    guard = StallGuard(NodeChannel(tmp_path), 0, poll_s=3600, clock=clock)
     try:
         guard.arm(1, mine)
         guard.disarm()  # the group is being torn down
-        control.write_assignment(tmp_path, assignment(2, after_loss=True))
+        control.write_assignment(NodeChannel(tmp_path), assignment(2, after_loss=True))
         clock.now += 60
         assert not guard.check()
         client.sendall(b"ok")
@@ -127,7 +130,7 @@ def test_after_loss_is_optional_and_must_be_a_bool() -> None:
 
 def test_bad_stall_bounds_get_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"min_stall_s=0: must be > 0"):
-        StallGuard(tmp_path, 0, min_stall_s=0)
+        StallGuard(NodeChannel(tmp_path), 0, min_stall_s=0)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"stall_abort_s=-1.0 must be > 0 seconds, or None"):

@@ -21,9 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from slurm_elastic.channel import NODE_DIR_ENV, NodeChannel
 from slurm_elastic.errors import RoundSupersededError
-from slurm_elastic.live import ElasticState, control
+from slurm_elastic.live import ElasticState, auth, control
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
+from slurm_elastic.privatefs import ensure_private_dir
 
 
 def _free_port() -> int:
@@ -33,7 +35,7 @@ def _free_port() -> int:
 
 
 def _world(directory: Path, monkeypatch: pytest.MonkeyPatch) -> LiveWorld:
-    monkeypatch.setenv(control.CONTROL_DIR_ENV, str(directory))
+    monkeypatch.setenv(NODE_DIR_ENV, str(directory))
     monkeypatch.setenv(control.ROUND_ENV, "3")
     live = LiveWorld(
         ElasticState(torch.nn.Linear(1, 1)),
@@ -44,7 +46,7 @@ def _world(directory: Path, monkeypatch: pytest.MonkeyPatch) -> LiveWorld:
         in_place=True,
         stall_abort_s=None,
     )
-    live._watch = control.AssignmentWatch(directory, 0, 3)
+    live._watch = control.AssignmentWatch(NodeChannel(directory), 0, 3)
     return live
 
 
@@ -55,15 +57,15 @@ def _assignment(round_: int, port: int) -> control.Assignment:
 def test_a_stale_round_whose_store_is_gone_is_skipped_for_the_newer_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    directory = tmp_path / "control"
+    directory = tmp_path / "node"
     directory.mkdir(mode=0o700)
     live = _world(directory, monkeypatch)
     stale = _assignment(4, _free_port())  # its store is gone: nothing listens there
-    control.write_assignment(directory, stale)
+    control.write_assignment(NodeChannel(directory), stale)
     assert live._watch is not None and live._watch.poll(force=True) == stale
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
     newer = _assignment(5, master.port)
-    writer = threading.Timer(0.5, control.write_assignment, (directory, newer))
+    writer = threading.Timer(0.5, control.write_assignment, (NodeChannel(directory), newer))
     started = time.monotonic()
     writer.start()
     try:
@@ -78,3 +80,38 @@ def test_a_stale_round_whose_store_is_gone_is_skipped_for_the_newer_one(
         assert live.pending_round() == newer.round
     finally:
         writer.cancel()
+
+
+def test_a_group_forming_for_a_round_whose_peers_went_on_gives_up_for_the_newer_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The storm's stall (docs/live.md): a survivor switched to round 12 after its peers
+    # announced themselves ready there; one of them was then restarted by its agent and
+    # the other skipped to round 13. The survivor waited in round 12's group formation
+    # for them until the collective timeout while round 13 waited for it. Here rank 1 of
+    # round 5 never comes, and round 6 is assigned one second into the formation.
+    keys = ensure_private_dir(tmp_path / "rdzv" / ".keys", root=tmp_path / "rdzv")
+    key_file = auth.load_or_create_key(keys, "run.key")
+    monkeypatch.setenv(auth.KEY_FILE_ENV, str(key_file))
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    live = _world(directory, monkeypatch)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    forming = control.Assignment(5, 0, 2, 0, 0, 2, "127.0.0.1", master.port)
+    control.write_assignment(NodeChannel(directory), forming)
+    newer = control.Assignment(6, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
+    writer = threading.Timer(1.0, control.write_assignment, (NodeChannel(directory), newer))
+    started = time.monotonic()
+    writer.start()
+    try:
+        with pytest.raises(Exception) as caught:
+            live._join(forming, live._connect(forming))
+        took = time.monotonic() - started
+        assert is_peer_failure(caught.value), repr(caught.value)  # the loop recovers
+        assert "round 6 is assigned" in str(caught.value)
+        # before: the whole collective timeout (60 s here; 75-120 s in the storm)
+        assert took < 15.0, f"{took:.1f} s in a formation whose peers went on"
+    finally:
+        writer.cancel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

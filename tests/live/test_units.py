@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from slurm_elastic.agent.watchdog import ProgressWatch
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.live import ElasticState, control, is_peer_failure
 from slurm_elastic.notice import report_progress
 
@@ -20,11 +21,11 @@ def assignment(round_: int, local_rank: int = 0) -> control.Assignment:
 
 
 def test_assignment_watch_returns_only_newer_rounds(tmp_path: Path) -> None:
-    watch = control.AssignmentWatch(tmp_path, 0, current_round=3, min_interval_s=0)
+    watch = control.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=3, min_interval_s=0)
     assert watch.poll() is None
-    control.write_assignment(tmp_path, assignment(3))
+    control.write_assignment(NodeChannel(tmp_path), assignment(3))
     assert watch.poll() is None  # the round the worker is in: stale
-    control.write_assignment(tmp_path, assignment(4))
+    control.write_assignment(NodeChannel(tmp_path), assignment(4))
     assert watch.poll() == assignment(4)
     watch.current_round = 4
     assert watch.poll() is None
@@ -32,17 +33,17 @@ def test_assignment_watch_returns_only_newer_rounds(tmp_path: Path) -> None:
 
 def test_malformed_assignment_is_ignored_with_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "assign.0").write_text('{"round": 5, "rank": 9, "world_size": 2}')
-    assert control.read_assignment(tmp_path, 0) is None
+    assert control.read_assignment(NodeChannel(tmp_path), 0) is None
     with pytest.raises(ValueError, match="malformed assignment"):
         control.Assignment.from_dict({"round": "x"})
 
 
 def test_registration_round_trip_and_clear(tmp_path: Path) -> None:
-    control.register_worker(tmp_path, 0, 111)
-    control.register_worker(tmp_path, 1, 222)
-    assert control.registered_workers(tmp_path) == {0: 111, 1: 222}
-    control.clear(tmp_path)
-    assert control.registered_workers(tmp_path) == {}
+    control.register_worker(NodeChannel(tmp_path), 0, 111)
+    control.register_worker(NodeChannel(tmp_path), 1, 222)
+    assert control.registered_workers(NodeChannel(tmp_path)) == {0: 111, 1: 222}
+    NodeChannel(tmp_path).clear()
+    assert control.registered_workers(NodeChannel(tmp_path)) == {}
 
 
 def test_in_place_switch() -> None:

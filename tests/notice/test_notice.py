@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurm_elastic import notice
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import ConfigError
 from tests.helpers import wait_for
 
@@ -105,23 +106,24 @@ def test_unhandled_other_signal_still_kills_worker(tmp_path: Path) -> None:
 
 
 def test_notice_file_raised_by_agent_is_seen_without_a_signal(tmp_path: Path) -> None:
-    notice_file = tmp_path / "node" / "notice"
-    proc, out = _start_worker(tmp_path, SLURM_ELASTIC_NOTICE_FILE=str(notice_file))
+    node = NodeChannel(tmp_path / "node")
+    proc, out = _start_worker(tmp_path, **node.environment())
     time.sleep(0.1)  # a few steps without notice: the worker must keep running
     assert proc.poll() is None
-    notice.raise_notice(notice_file, reason="stop")
+    notice.raise_notice(node, reason="stop")
     assert _finish(proc) == 0
     assert out.exists()
-    assert notice.notice_raised(notice_file)
-    assert notice_file.read_text().startswith("stop ")
-    notice.clear_notice(notice_file)
-    assert not notice.notice_raised(notice_file)
-    notice.clear_notice(notice_file)  # idempotent
+    assert notice.notice_raised(node)
+    assert node.notice.read_text().startswith("stop ")
+    node.clear()
+    assert not notice.notice_raised(node)
+    node.clear()  # idempotent
 
 
 def test_heartbeat_of_real_worker_advances_and_agent_reads_it(tmp_path: Path) -> None:
-    hb = tmp_path / "hb"
-    proc, _ = _start_worker(tmp_path, SLURM_ELASTIC_HEARTBEAT_FILE=str(hb))
+    node = NodeChannel(tmp_path / "node")
+    hb = node.progress
+    proc, _ = _start_worker(tmp_path, **node.environment())
     try:
         first = wait_for(lambda: notice.last_progress(hb), 10, "first heartbeat")
         assert first.step >= 1
@@ -151,7 +153,7 @@ def test_report_progress_is_rate_limited_and_force_writes(tmp_path: Path) -> Non
 
 
 def test_report_progress_without_heartbeat_file_is_noop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(notice.HEARTBEAT_FILE_ENV, raising=False)
+    monkeypatch.delenv(notice.NODE_DIR_ENV, raising=False)
     notice.reload_environment()
     assert notice.report_progress(5) is False
 

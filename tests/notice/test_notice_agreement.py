@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slurm_elastic.channel import NODE_DIR_ENV
 from tests.helpers import wait_for
 
 CHILD = r"""
@@ -21,14 +22,13 @@ dist.destroy_process_group()
 
 
 def test_a_notice_on_one_node_is_agreed_by_every_rank(tmp_path: Path) -> None:
-    notice_file = tmp_path / "notice"
-    notice_file.write_text("preempt\n")
+    (tmp_path / "notice").write_text("preempt\n")
     procs = []
     for rank in range(3):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.pop("SLURM_ELASTIC_NOTICE_FILE", None)
+        env.pop(NODE_DIR_ENV, None)
         if rank == 1:  # only rank 1's node was told to stop
-            env["SLURM_ELASTIC_NOTICE_FILE"] = str(notice_file)
+            env[NODE_DIR_ENV] = str(tmp_path)
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", CHILD, str(rank), str(tmp_path / "store")],
@@ -43,7 +43,7 @@ def test_a_notice_on_one_node_is_agreed_by_every_rank(tmp_path: Path) -> None:
 
 
 def test_without_notice_nobody_stops(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_ELASTIC_NOTICE_FILE"}
+    env = {k: v for k, v in os.environ.items() if k != NODE_DIR_ENV}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, str(r), str(tmp_path / "s")],
@@ -70,8 +70,10 @@ print(got, round(time.monotonic() - start, 2))
 
 
 def test_await_new_round_returns_as_soon_as_this_node_gets_its_notice(tmp_path: Path) -> None:
-    notice_file, ready = tmp_path / "notice", tmp_path / "ready"
-    env = {**os.environ, "SLURM_ELASTIC_NOTICE_FILE": str(notice_file)}
+    node = tmp_path / "node"
+    node.mkdir()
+    notice_file, ready = node / "notice", tmp_path / "ready"
+    env = {**os.environ, NODE_DIR_ENV: str(node)}
     proc = subprocess.Popen(
         [sys.executable, "-c", AWAIT, str(ready), "60"], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -82,7 +84,7 @@ def test_await_new_round_returns_as_soon_as_this_node_gets_its_notice(tmp_path: 
 
 
 def test_await_new_round_gives_up_after_its_timeout(tmp_path: Path) -> None:
-    env = {**os.environ, "SLURM_ELASTIC_NOTICE_FILE": str(tmp_path / "never")}
+    env = {**os.environ, NODE_DIR_ENV: str(tmp_path / "never")}
     out = subprocess.run(
         [sys.executable, "-c", AWAIT, str(tmp_path / "ready"), "0.3"],
         env=env,
