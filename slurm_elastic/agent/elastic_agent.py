@@ -428,8 +428,14 @@ class SlurmElasticAgent(LocalElasticAgent):
                 os.kill(pid, self._notice_signal)
         deadline = time.monotonic() + self._leave_timeout_s
         while time.monotonic() < deadline:
-            if pcontext.wait(0) is not None:
-                log.info("workers saved and exited before the membership restart")
+            result = pcontext.wait(0)
+            if result is not None:
+                codes = [f.exitcode for f in result.failures.values()]
+                if codes and all(code == -int(self._notice_signal) for code in codes):
+                    # no handler yet: still starting (importing torch), nothing trained
+                    log.info("workers ended by the notice signal before they handled it")
+                else:
+                    log.info("workers saved and exited before the membership restart")
                 return
             time.sleep(0.05)
         log.warning("workers did not exit within %.1f s of the notice", self._leave_timeout_s)
