@@ -51,8 +51,8 @@ the builtin (``ValueError``, ``TimeoutError``, ...) catches ours too.
     ├── ShardsLostError                a peer's shards are gone, no newer full copy
     ├── PeerLostError                  (also RuntimeError) a peer of the process group
     │   │                              is gone (its gloo group could not form)
-    │   └── RoundSupersededError       the assigned round's store is gone and a newer
-    │                                  round is assigned
+    │   └── RoundSupersededError       a newer round is assigned while this one's store
+    │                                  is unreachable or its group forms
     ├── ReformTimeoutError             (also RuntimeError) no new round came in time
     │                                  after a peer failed: restart instead
     ├── UnsafeDirectoryError           (also PermissionError) a directory of ours is a
@@ -287,9 +287,9 @@ class PeerLostError(SlurmElasticError, RuntimeError):
 
 
 class RoundSupersededError(PeerLostError):
-    """The assigned round's store is unreachable and a newer round is assigned: the
-    worker skips to it (a peer failure for the in-place loop, whose next round is
-    there already)."""
+    """A newer round is assigned while this one's store is unreachable or its group is
+    forming: the worker skips to it (a peer failure for the in-place loop, whose next
+    round is there already)."""
 
 
 class ReformTimeoutError(SlurmElasticError, RuntimeError):

@@ -126,8 +126,8 @@ def _node_path(name: str) -> str | None:
     try:
         return _paths[name]
     except KeyError:
-        directory = os.environ.get(NODE_DIR_ENV)
-        value = _paths[name] = os.path.join(directory, name) if directory else None
+        node = NodeChannel.from_environ()
+        value = _paths[name] = None if node is None else os.fspath(node.directory / name)
         return value
 
 

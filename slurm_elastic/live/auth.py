@@ -299,7 +299,9 @@ class SealedStore(dist.Store):
                     raise
                 reason = self._abandon()
                 if reason is not None:
-                    raise RoundSupersededError(reason) from None
+                    raise RoundSupersededError(
+                        f"{reason} while this round's group forms: giving up the wait"
+                    ) from None
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._inner.check(keys))

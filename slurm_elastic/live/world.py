@@ -324,11 +324,11 @@ class LiveWorld:
             except dist.DistError:
                 if time.monotonic() >= budget_end:
                     raise
-                newer = self._watch.poll(force=True) if self._watch is not None else None
-                if newer is not None and newer.round > a.round:
+                reason = self._superseded(a)
+                if reason is not None:
                     raise RoundSupersededError(
                         f"round {a.round}'s store at {a.master_addr}:{a.master_port} is "
-                        f"unreachable and round {newer.round} is assigned: skipping it"
+                        f"unreachable and {reason}: skipping it"
                     ) from None
         client.set_timeout(self.timeout)
         store: Any = dist.PrefixStore(f"slurm_elastic.live.{a.round}", client)
@@ -348,10 +348,10 @@ class LiveWorld:
         a worker that switched to a round whose peers have gone on to a newer one (a
         peer that announced itself ready and then restarted, or skipped to the newer
         round) stops waiting for them there instead of waiting the whole timeout."""
-        newer = self._watch.poll() if self._watch is not None else None
+        newer = self._watch.poll(force=True) if self._watch is not None else None
         if newer is None or newer.round <= a.round:
             return None
-        return f"round {newer.round} is assigned while round {a.round}'s group forms"
+        return f"round {newer.round} is assigned"
 
     def _join(self, a: control.Assignment, store: Any) -> None:
         before = self._group_sockets = connected_sockets()

@@ -115,3 +115,46 @@ def test_a_group_forming_for_a_round_whose_peers_went_on_gives_up_for_the_newer_
         writer.cancel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_starting_worker_whose_first_round_is_superseded_waits_for_its_agents_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A starting worker's agent restarts it for the newer round (it trained nothing);
+    # failing at once would be charged to max_restarts as a worker failure. So open()
+    # waits (reform_timeout_s here: 2 s) for that restart before it gives up.
+    keys = ensure_private_dir(tmp_path / "rdzv" / ".keys", root=tmp_path / "rdzv")
+    monkeypatch.setenv(auth.KEY_FILE_ENV, str(auth.load_or_create_key(keys, "run.key")))
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    first = control.Assignment(3, 0, 2, 0, 0, 2, "127.0.0.1", master.port)
+    live = _world(directory, monkeypatch)  # sets the round: 3
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master.port),
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert control.Assignment.from_environ() == first
+    live.reform_timeout_s = 2.0
+    newer = control.Assignment(4, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
+    writer = threading.Timer(1.0, control.write_assignment, (NodeChannel(directory), newer))
+    started = time.monotonic()
+    writer.start()
+    try:
+        with pytest.raises(RoundSupersededError, match="round 4 is assigned"):
+            live.open()
+        took = time.monotonic() - started
+        # registered as starting (the agent restarts it at once), and it did wait
+        assert control.registered_workers(NodeChannel(directory), live=False)
+        assert took >= 1.0 + live.reform_timeout_s, f"gave up after {took:.1f} s"
+        assert took < 20.0, f"{took:.1f} s"
+    finally:
+        writer.cancel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
