@@ -41,7 +41,8 @@ silence across its own pause.
 
 Nothing else is evidence: a refused or unanswered connect, a wrong answer, a connection
 that was never verified, or unexpected bytes only drop the connection (it is retried
-after :data:`RETRY_S`); the heartbeat window still decides those cases, and every silent
+after :data:`RETRY_S`, doubling with each consecutive failure up to half the heartbeat
+window, with jitter); the heartbeat window still decides those cases, and every silent
 loss (a frozen process, a powered-off host). An outsider who connects to a
 listener gets a nonce's answer at most and is disconnected after :data:`HANDSHAKE_S`;
 the listener holds at most :data:`MAX_INCOMING` connections. Sockets are not inherited
@@ -57,6 +58,7 @@ import hashlib
 import hmac
 import logging
 import os
+import random
 import selectors
 import socket
 import struct
@@ -173,6 +175,9 @@ class ProcessLink:
         self._wanted: dict[str, Target] = {}
         self._lost: list[tuple[str, Target]] = []
         self._retry_at: dict[tuple[str, bytes], float] = {}
+        # Consecutive failures per target (reset when verified): the retry backs off.
+        self._failures: dict[tuple[str, bytes], int] = {}
+        self._retry_cap = max(RETRY_S, (silent_after_s or 8.0) / 2)
         self._out: dict[str, _Out] = {}  # the link thread's only
         self._verified: set[str] = set()  # under the lock: read by other threads
         self._heard: dict[str, float] = {}  # under the lock: name -> last answer
@@ -314,6 +319,9 @@ class ProcessLink:
         self._retry_at = {
             k: t for k, t in self._retry_at.items() if t > now and wanted.get(k[0]) is not None
         }
+        self._failures = {
+            k: n for k, n in self._failures.items() if (w := wanted.get(k[0])) and w.record == k[1]
+        }
 
     def _connect(self, name: str, target: Target, now: float) -> None:
         try:
@@ -323,13 +331,13 @@ class ProcessLink:
             sock = socket.socket(family, kind, proto)
         except OSError as exc:
             log.debug("rendezvous link to %s: %s", name, exc)
-            self._retry_at[(name, target.record)] = now + RETRY_S
+            self._retry_at[(name, target.record)] = now + self._backoff((name, target.record))
             return
         sock.setblocking(False)
         code = sock.connect_ex(sockaddr)
         if code not in (0, errno.EINPROGRESS):
             sock.close()
-            self._retry_at[(name, target.record)] = now + RETRY_S
+            self._retry_at[(name, target.record)] = now + self._backoff((name, target.record))
             return
         out = _Out(name, target, sock, os.urandom(_NONCE), now)
         self._out[name] = out
@@ -417,6 +425,7 @@ class ProcessLink:
         if hmac.compare_digest(bytes(out.got), answer(out.target.secret, out.nonce)):
             out.verified = True
             out.heard = self._clock()
+            self._failures.pop((out.name, out.target.record), None)
             with self._lock:
                 self._verified.add(out.name)
                 self._heard[out.name] = out.heard
@@ -426,7 +435,19 @@ class ProcessLink:
 
     def _retry(self, out: _Out) -> None:
         self._drop_out(out)
-        self._retry_at[(out.name, out.target.record)] = self._clock() + RETRY_S
+        key = (out.name, out.target.record)
+        self._retry_at[key] = self._clock() + self._backoff(key)
+
+    def _backoff(self, key: tuple[str, bytes]) -> float:
+        """The delay before the next connection to a target after a failure: RETRY_S,
+        doubling with each consecutive failure up to half the window, stretched by up
+        to half at random. Watchers that failed together (a starved or overloaded
+        peer, a round that formed at once) retry apart instead of in one storm: 4,096
+        agents simulated on 2 cores made two connections per link they needed, each
+        failed handshake adding load that failed the next."""
+        failures = self._failures.get(key, 0)
+        self._failures[key] = failures + 1
+        return min(RETRY_S * 2**failures, self._retry_cap) * random.uniform(1.0, 1.5)
 
     def _drop_out(self, out: _Out) -> None:
         if self._out.get(out.name) is out:

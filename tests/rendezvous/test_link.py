@@ -7,6 +7,7 @@ evidence; everything else leaves the decision to the heartbeat window.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -134,6 +135,30 @@ def test_nothing_listening_is_never_evidence(links: list[ProcessLink]) -> None:
     watcher = _new(links)
     watcher.watch({"a": Target("127.0.0.1", RECORD.pack(port, os.urandom(16)))})
     time.sleep(0.5)
+    assert watcher.verified() == set() and watcher.lost() == []
+
+
+def test_failed_connections_are_retried_with_growing_delays(links: list[ProcessLink]) -> None:
+    """A target that takes every connection and closes it unanswered (a peer whose link
+    is not up yet, or an overloaded one) is retried after RETRY_S, then twice that, up
+    to half the window: with a fixed delay, 4,096 simulated agents retried in a storm
+    that failed the next handshakes. Lower bounds only: load can only lengthen a gap."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+    record = RECORD.pack(listener.getsockname()[1], os.urandom(16))
+    watcher = _new(links, silent_after_s=10.0)  # the cap: 5 s, beyond this test's gaps
+    watcher.watch({"a": Target("127.0.0.1", record)})
+    accepted: list[float] = []
+    try:
+        while len(accepted) < 4:
+            conn, _ = listener.accept()  # raises after 20 s without a connection
+            accepted.append(time.monotonic())
+            conn.close()  # never answers the nonce: the handshake fails
+    finally:
+        listener.close()
+    gaps = [b - a for a, b in itertools.pairwise(accepted)]
+    floor = link_mod.RETRY_S * 0.95  # the clock's and the select's granularity
+    assert gaps[0] >= floor and gaps[1] >= 2 * floor and gaps[2] >= 4 * floor, gaps
     assert watcher.verified() == set() and watcher.lost() == []
 
 
