@@ -15,9 +15,9 @@ notice             ``notice`` file + the preempt signal         ``<reason> <unix
 progress           ``progress`` file (workers -> agent's hang   one fixed 42-byte line;
                    watchdog)                                    :mod:`slurm_elastic.notice`
 registration       ``worker.<local_rank>`` file (worker ->      JSON ``{"pid", "live"}``;
-                   agent: it can re-form in place, or starts)   :mod:`slurm_elastic.live.control`
+                   agent: it can re-form in place, or starts)   :mod:`slurm_elastic.live.roster`
 assignment         ``assign.<local_rank>`` file (agent ->       JSON :class:`~slurm_elastic.
-                   worker: a new round's rank and store)        live.control.Assignment`
+                   worker: a new round's rank and store)        live.roster.Assignment`
 start round        ``$SLURM_ELASTIC_ROUND`` (agent -> workers)  an integer
 in place off       ``$SLURM_ELASTIC_IN_PLACE=0`` (the user)     ``0``/``1``
 run key            ``$SLURM_ELASTIC_KEY_FILE`` (agent ->        a 0600 file;

@@ -22,7 +22,7 @@ is; this class plugs into its intended extension points:
      switch of the survivors, then the agent stops through torch's signal path.
 * ``_restart_workers`` is wrapped:
   1. **in place**: for a membership change (nothing failed locally) with workers that
-     registered on the control channel (:mod:`slurm_elastic.live.control`), the agent
+     registered on the node channel (:mod:`slurm_elastic.live.roster`), the agent
      runs the new rendezvous round *without stopping its workers* and hands each worker
      its new rank, world size and the round's store address; the workers re-form their
      process group at a step boundary (:mod:`slurm_elastic.live`). A round that cannot
@@ -70,7 +70,7 @@ from slurm_elastic.agent.round_store import RoundBoundStore
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import RoundLostError
-from slurm_elastic.live import control
+from slurm_elastic.live import roster
 from slurm_elastic.rendezvous.protocols import (
     LeavableRendezvous,
     RoundReporting,
@@ -121,7 +121,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         hang_timeout_s: fail the group after this long without progress; ``None`` = off.
         before_round: called before each rendezvous round that (re)starts the local
             workers, once the previous ones are stopped (the launcher clears the
-            per-round notice, progress and control files there).
+            per-round notice, progress and channel files there).
         channel: the node channel (its notice is raised before a membership restart).
         notice_signal: the signal the workers handle as a notice.
         leave: called once to leave the rendezvous without closing it.
@@ -215,7 +215,7 @@ class SlurmElasticAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The round number lets workers tell a later assignment from a stale one.
-        os.environ[control.ROUND_ENV] = str(_round_of(worker_group.spec.rdzv_handler))
+        os.environ[roster.ROUND_ENV] = str(_round_of(worker_group.spec.rdzv_handler))
         events.compact()  # the event files of this node's stopped workers: into its archive
         started = super()._start_workers(worker_group)
         _startup_seam.pause("workers_start")  # tests only: a notice as the workers start
@@ -327,10 +327,10 @@ class SlurmElasticAgent(LocalElasticAgent):
 
     def _workers_registered(self, *, live: bool = True) -> bool:
         """Whether every local worker registered with its pid as live (or as starting)."""
-        if not control.in_place_enabled():
+        if not roster.in_place_enabled():
             return False
         pids = {w.local_rank: w.id for w in self._worker_group.workers}
-        return bool(pids) and control.registered_workers(self._channel, live=live) == pids
+        return bool(pids) and roster.registered_workers(self._channel, live=live) == pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         charged, self._charged = self._charged, False
@@ -367,7 +367,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         with seat:  # newcomers must not take every seat while these workers train
             self._rendezvous(worker_group)  # the workers keep training meanwhile
         events.compact()  # files of this node's gone processes (e.g. an agent that left)
-        if control.registered_workers(self._channel) != pids:
+        if roster.registered_workers(self._channel) != pids:
             # They withdrew while this node waited for a place: the round the others
             # switched to filled max_nodes without it (it waited as a spare), so they
             # left at that switch. This round has a place: start new workers in it.
@@ -384,9 +384,9 @@ class SlurmElasticAgent(LocalElasticAgent):
             worker.id = pids[worker.local_rank]  # same processes, new ranks
         round_ = _round_of(worker_group.spec.rdzv_handler)
         for worker in worker_group.workers:
-            control.write_assignment(
+            roster.write_assignment(
                 self._channel,
-                control.Assignment(
+                roster.Assignment(
                     round=round_,
                     rank=worker.global_rank,
                     world_size=worker.world_size,

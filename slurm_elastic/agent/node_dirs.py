@@ -1,6 +1,6 @@
 """The agent's node-local directory, and the removal of those killed agents left behind.
 
-Each agent keeps its node's notice, progress and control files in a private directory
+Each agent keeps its node's notice, progress and channel files in a private directory
 of the system temporary directory (``tempfile.mkdtemp``: ``0700``), removed when the
 agent exits. An agent killed with SIGKILL (Slurm's kill after a time limit, an OOM kill)
 cannot remove it. So the name carries the agent's pid and the start time of that

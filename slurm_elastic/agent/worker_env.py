@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from slurm_elastic import envvars
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.config import ElasticConfig
-from slurm_elastic.live import control
+from slurm_elastic.live import roster
 from slurm_elastic.slurm.env import SlurmEnv
 
 __all__ = ["WORKER_ENV", "python_entrypoint", "worker_environment"]
@@ -30,7 +30,7 @@ WORKER_ENV = (
     envvars.REQUEUE_COUNT_ENV,
     envvars.NODE_DIR_ENV,
     envvars.PREEMPT_SIGNAL_ENV,
-    control.ROUND_ENV,
+    roster.ROUND_ENV,
 )
 
 

@@ -3,7 +3,7 @@
 Concept: when a node joins, leaves with notice, a spare is promoted, or a peer dies,
 the workers that stay keep their processes. The agent runs the new rendezvous round
 while they train and hands each worker its new rank, world size and the round's store
-through the node's control channel (:mod:`~slurm_elastic.live.control`); at a step
+through the node's node channel (:mod:`~slurm_elastic.live.roster`); at a step
 boundary the workers agree, tear down the process group and build the new one, and
 newcomers receive the committed state by broadcast from a survivor.
 
@@ -17,10 +17,10 @@ Contract:
 * :class:`ElasticState` is the state API underneath (``commit`` / ``restore`` / ``sync``);
 * :mod:`~slurm_elastic.live.world` re-forms the process group (``LiveWorld``), the loop
   decides when;
-* without the agent's control channel, or with ``SLURM_ELASTIC_IN_PLACE=0``, the loop
+* without the agent's node channel, or with ``SLURM_ELASTIC_IN_PLACE=0``, the loop
   takes the restart path (save on notice, the agent restarts the workers).
 
-``slurm_elastic.live.control`` is torch-free; the rest imports torch (lazily here).
+``slurm_elastic.live.roster`` is torch-free; the rest imports torch (lazily here).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ their connections to this process closed too, so one survivor's abort frees the 
 blocked in C++ with the GIL released):
 
 1. the agent wrote an assignment for a newer round *after its round lost a member*
-   (:attr:`~slurm_elastic.live.control.Assignment.after_loss`: a member left or was
+   (:attr:`~slurm_elastic.live.roster.Assignment.after_loss`: a member left or was
    evicted; a later round for a newcomer does not undo that), and
 2. the main thread has not passed a step boundary for longer than
    ``max(min_stall_s, stall_factor x the longest of the recent steps)``.
@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 from slurm_elastic import events
 from slurm_elastic.channel import NodeChannel
-from slurm_elastic.live import control
+from slurm_elastic.live import roster
 
 __all__ = [
     "StallGuard",
@@ -189,10 +189,10 @@ class StallGuard:
         self._poll_s = poll_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._watch: control.AssignmentWatch | None = None
+        self._watch: roster.AssignmentWatch | None = None
         self._sockets: frozenset[int] = frozenset()
         self._round = -1
-        self._loss: control.Assignment | None = None
+        self._loss: roster.Assignment | None = None
         self._last_beat = 0.0
         self._steps: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
         self._stop = threading.Event()
@@ -207,7 +207,7 @@ class StallGuard:
         with self._lock:
             self._round = round_
             self._sockets = sockets
-            self._watch = control.AssignmentWatch(
+            self._watch = roster.AssignmentWatch(
                 self._channel, self._local_rank, round_, min_interval_s=0.0
             )
             self._loss = None

@@ -13,7 +13,7 @@ how many steps until the next vote. Then, the same decision on every rank:
   order, init the new group on the round's store, take the newest commit from a
   survivor by broadcast (newcomers: no disk read), and wrap the model in a new DDP;
 * every rank leaves (the whole job is preempted): save a checkpoint together, return;
-* restart path (``$SLURM_ELASTIC_IN_PLACE=0``, or no agent control channel): a notice
+* restart path (``$SLURM_ELASTIC_IN_PLACE=0``, or no agent node channel): a notice
   makes all ranks save together, the leaving ranks return, the others wait for the
   agent to restart them.
 

@@ -63,7 +63,7 @@ from torch import nn
 from slurm_elastic import events, notice
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.checkpoint import CheckpointManager, loss_scale
-from slurm_elastic.live import control
+from slurm_elastic.live import roster
 from slurm_elastic.live.boundary import Cadence, Departure, vote
 from slurm_elastic.live.checkpointing import resume_latest, to_bundle
 from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel, sharded_parts
@@ -580,11 +580,11 @@ def _check_options(commit_every: int, stall_abort_s: float | None) -> None:
 
 
 def _in_place_available() -> bool:
-    """In place is on, and this worker's agent gave it a control channel and a round."""
+    """In place is on, and this worker's agent gave it a node channel and a round."""
     return (
-        control.in_place_enabled()
+        roster.in_place_enabled()
         and NodeChannel.from_environ() is not None
-        and control.Assignment.from_environ() is not None
+        and roster.Assignment.from_environ() is not None
     )
 
 

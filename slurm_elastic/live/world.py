@@ -2,8 +2,8 @@
 
 The loop (:mod:`~slurm_elastic.live.loop`) decides *when* the world changes; this module
 does the change. A :class:`LiveWorld` owns the process group, the DDP wrapper around the
-registered model, the round the group belongs to, and the worker's view of the control
-channel (:class:`~slurm_elastic.live.control.AssignmentWatch`):
+registered model, the round the group belongs to, and the worker's view of the node
+channel (:class:`~slurm_elastic.live.roster.AssignmentWatch`):
 
 * :meth:`LiveWorld.open`: the first group (in place: from the assignment in the
   environment, taking the newest commit of a live peer; else torch's ``env://``);
@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_elastic import events, notice
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import PeerLostError, ReformTimeoutError, RoundSupersededError
-from slurm_elastic.live import auth, control
+from slurm_elastic.live import auth, roster
 from slurm_elastic.live.abort import (
     StallGuard,
     connected_sockets,
@@ -107,7 +107,7 @@ _CONNECT_BUDGET_S = 10.0
 
 @dataclass
 class _Pending:
-    assignment: control.Assignment
+    assignment: roster.Assignment
     store: Any
     sealed_ready: set[str] = field(default_factory=set)
 
@@ -121,7 +121,7 @@ class LiveWorld:
         ddp_kwargs: passed to :class:`DistributedDataParallel`.
         timeout: collective timeout of every process group.
         reform_timeout_s: after a failed collective, how long to wait for a new round.
-        in_place: whether the agent's control channel is there (else ``env://`` and the
+        in_place: whether the agent's node channel is there (else ``env://`` and the
             restart path).
         stall_abort_s: in place with gloo, a collective blocked this long (at least;
             see :class:`~slurm_elastic.live.abort.StallGuard`) is aborted once the agent
@@ -153,10 +153,10 @@ class LiveWorld:
         self.timeout = timeout
         self.reform_timeout_s = reform_timeout_s
         self.in_place = in_place
-        self.round = int(os.environ.get(control.ROUND_ENV, "0"))
+        self.round = int(os.environ.get(roster.ROUND_ENV, "0"))
         self.dirty = False
         self._ddp: nn.Module | None = None
-        self._watch: control.AssignmentWatch | None = None
+        self._watch: roster.AssignmentWatch | None = None
         self._pending: _Pending | None = None
         self._store: Any = None  # the current group's store (see _join)
         self._group_sockets: frozenset[int] = frozenset()  # this process's, before the group
@@ -227,7 +227,7 @@ class LiveWorld:
             dist.init_process_group(self.backend, timeout=self.timeout)
             self._record_links()
             return False
-        first = control.Assignment.from_environ()
+        first = roster.Assignment.from_environ()
         if first is None:  # checked by the caller; the environment changed since
             raise RuntimeError("in-place mode without an assignment in the environment")
         channel = self._channel
@@ -235,8 +235,8 @@ class LiveWorld:
             raise RuntimeError("in-place mode without a node channel in the environment")
         # starting: a restart before the first step loses nothing (the agent need not
         # wait for a save that a join blocked on a lost peer could never make)
-        control.register_worker(channel, first.local_rank, os.getpid(), live=False)
-        self._watch = control.AssignmentWatch(channel, first.local_rank, first.round)
+        roster.register_worker(channel, first.local_rank, os.getpid(), live=False)
+        self._watch = roster.AssignmentWatch(channel, first.local_rank, first.round)
         try:
             self._join(first, self._connect(first))
         except RoundSupersededError as exc:
@@ -253,7 +253,7 @@ class LiveWorld:
     def register(self, local_rank: int) -> None:
         """Tell the agent this worker can re-form in place (after the first wrap)."""
         if self.in_place and self._channel is not None:
-            control.register_worker(self._channel, local_rank, os.getpid())
+            roster.register_worker(self._channel, local_rank, os.getpid())
 
     # -- readiness --------------------------------------------------------------------------
 
@@ -295,11 +295,11 @@ class LiveWorld:
     def unregister(self, local_rank: int) -> None:
         """Withdraw the registration (this worker leaves; see :meth:`register`)."""
         if self.in_place and self._channel is not None:
-            control.unregister_worker(self._channel, local_rank)
+            roster.unregister_worker(self._channel, local_rank)
 
     # -- building blocks --------------------------------------------------------------------
 
-    def _connect(self, a: control.Assignment) -> Any:
+    def _connect(self, a: roster.Assignment) -> Any:
         """Connect to round ``a``'s store and announce this rank ready in it.
 
         The connect is tried in slices of :data:`_CONNECT_SLICE_S` within a budget of
@@ -342,7 +342,7 @@ class LiveWorld:
         store.set(f"ready/{a.rank}", "1")
         return store
 
-    def _superseded(self, a: control.Assignment) -> str | None:
+    def _superseded(self, a: roster.Assignment) -> str | None:
         """Why round ``a`` is no longer worth waiting for (a newer round is assigned to
         this worker), else ``None``. Its store's waits ask it (:class:`auth.SealedStore`):
         a worker that switched to a round whose peers have gone on to a newer one (a
@@ -353,7 +353,7 @@ class LiveWorld:
             return None
         return f"round {newer.round} is assigned"
 
-    def _join(self, a: control.Assignment, store: Any) -> None:
+    def _join(self, a: roster.Assignment, store: Any) -> None:
         before = self._group_sockets = connected_sockets()
         # Keep the Python store alive as long as the group: torch holds only its C++
         # half, so a later new_group (an HSDP mesh's subgroups) would call a store whose
@@ -549,7 +549,7 @@ class LiveWorld:
             )
         )
 
-    def _await_assignment(self, deadline: float, reason: str) -> control.Assignment:
+    def _await_assignment(self, deadline: float, reason: str) -> roster.Assignment:
         if self._watch is None:
             raise ReformTimeoutError(f"collective failed ({reason}) and the restart path is on")
         while True:

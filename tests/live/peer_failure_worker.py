@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slurm_elastic.live import ElasticState, control
+from slurm_elastic.live import ElasticState, roster
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
 
 
@@ -68,7 +68,7 @@ class _DieAfterSet(dist.Store):
         self._inner.set_timeout(timeout)
 
 
-def _formation(live: LiveWorld, a: control.Assignment, out: Path) -> None:
+def _formation(live: LiveWorld, a: roster.Assignment, out: Path) -> None:
     store = live._connect(a)
     if a.rank == 0:
         live._join(a, _DieAfterSet(store))  # never returns: killed after its address
@@ -108,7 +108,7 @@ def main() -> None:
         reform_timeout_s=1,
         in_place=True,
     )
-    a = control.Assignment(1, rank, 2, 0, rank, 2, "127.0.0.1", port)
+    a = roster.Assignment(1, rank, 2, 0, rank, 2, "127.0.0.1", port)
     if scenario == "formation":
         _formation(live, a, out)
         return

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slurm_elastic.live import ElasticState, control
+from slurm_elastic.live import ElasticState, roster
 from slurm_elastic.live.world import LiveWorld
 
 
@@ -34,7 +34,7 @@ def main() -> None:
         reform_timeout_s=30,
         in_place=True,
     )
-    a = control.Assignment(round_, rank, world, 0, rank, world, "127.0.0.1", port)
+    a = roster.Assignment(round_, rank, world, 0, rank, world, "127.0.0.1", port)
     live._join(a, live._connect(a))
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)

@@ -1,5 +1,5 @@
 """The stall guard (``slurm_elastic.live.abort``): when it shuts a blocked group's
-connections down, and that it touches nothing else. Real sockets and control files; the
+connections down, and that it touches nothing else. Real sockets and channel files; the
 guard's clock is injected (its thread is parked with a long poll interval, and
 ``check()`` is called directly)."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slurm_elastic.channel import NodeChannel
-from slurm_elastic.live import ElasticLoop, control
+from slurm_elastic.live import ElasticLoop, roster
 from slurm_elastic.live.abort import StallGuard, connected_sockets, shut_down_sockets
 
 
@@ -40,8 +40,8 @@ def connection() -> Iterator[tuple[socket.socket, socket.socket, frozenset[int]]
         s.close()
 
 
-def assignment(round_: int, *, after_loss: bool) -> control.Assignment:
-    return control.Assignment(round_, 0, 2, 0, 0, 1, "127.0.0.1", 1234, after_loss=after_loss)
+def assignment(round_: int, *, after_loss: bool) -> roster.Assignment:
+    return roster.Assignment(round_, 0, 2, 0, 0, 1, "127.0.0.1", 1234, after_loss=after_loss)
 
 
 def test_shutting_down_the_group_sockets_ends_the_peers_read(connection) -> None:
@@ -85,16 +85,16 @@ def test_guard_aborts_only_a_stall_after_a_lost_member(tmp_path: Path, connectio
         assert guard.threshold_s() == pytest.approx(1.5)
         clock.now += 10.0
         assert not guard.check()  # stalled, but no newer round
-        control.write_assignment(NodeChannel(tmp_path), assignment(6, after_loss=False))
+        roster.write_assignment(NodeChannel(tmp_path), assignment(6, after_loss=False))
         assert not guard.check()  # a newer round for a newcomer only: a long step, no loss
         guard.arm(6, mine)
         for _ in range(3):
             clock.now += 0.5
             guard.beat()
         clock.now += 1.4
-        control.write_assignment(NodeChannel(tmp_path), assignment(7, after_loss=True))
+        roster.write_assignment(NodeChannel(tmp_path), assignment(7, after_loss=True))
         assert not guard.check()  # a member was lost but this worker still steps
-        control.write_assignment(NodeChannel(tmp_path), assignment(8, after_loss=False))
+        roster.write_assignment(NodeChannel(tmp_path), assignment(8, after_loss=False))
         clock.now += 0.2
         assert guard.check()  # stalled 1.6 s > 1.5 s, a loss since round 6: abort
         assert server.recv(1) == b""
@@ -110,7 +110,7 @@ def test_a_disarmed_guard_touches_nothing(tmp_path: Path, connection) -> None:
     try:
         guard.arm(1, mine)
         guard.disarm()  # the group is being torn down
-        control.write_assignment(NodeChannel(tmp_path), assignment(2, after_loss=True))
+        roster.write_assignment(NodeChannel(tmp_path), assignment(2, after_loss=True))
         clock.now += 60
         assert not guard.check()
         client.sendall(b"ok")
@@ -121,11 +121,11 @@ def test_a_disarmed_guard_touches_nothing(tmp_path: Path, connection) -> None:
 
 def test_after_loss_is_optional_and_must_be_a_bool() -> None:
     data = assignment(3, after_loss=True).as_dict()
-    assert control.Assignment.from_dict(data).after_loss is True
+    assert roster.Assignment.from_dict(data).after_loss is True
     del data["after_loss"]
-    assert control.Assignment.from_dict(data).after_loss is False  # older agents
+    assert roster.Assignment.from_dict(data).after_loss is False  # older agents
     with pytest.raises(ValueError, match="after_loss='yes' is not true or false"):
-        control.Assignment.from_dict({**data, "after_loss": "yes"})
+        roster.Assignment.from_dict({**data, "after_loss": "yes"})
 
 
 def test_bad_stall_bounds_get_clear_errors(tmp_path: Path) -> None:

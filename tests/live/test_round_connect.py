@@ -6,7 +6,7 @@ finds the rounds it missed gone. torch retries a refused store connect until its
 for it in the newest round's formation. Now the connect is tried in short slices and a
 newer assignment ends it (``RoundSupersededError``, a peer failure: the loop goes on to
 the next round). Real parts: a real ``TCPStore`` for the newer round, a port with nothing
-behind it for the stale one, the real control files and ``LiveWorld``.
+behind it for the stale one, the real channel files and ``LiveWorld``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from slurm_elastic.channel import NODE_DIR_ENV, NodeChannel
 from slurm_elastic.errors import RoundSupersededError
-from slurm_elastic.live import ElasticState, auth, control
+from slurm_elastic.live import ElasticState, auth, roster
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
 from slurm_elastic.privatefs import ensure_private_dir
 
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def _world(directory: Path, monkeypatch: pytest.MonkeyPatch) -> LiveWorld:
     monkeypatch.setenv(NODE_DIR_ENV, str(directory))
-    monkeypatch.setenv(control.ROUND_ENV, "3")
+    monkeypatch.setenv(roster.ROUND_ENV, "3")
     live = LiveWorld(
         ElasticState(torch.nn.Linear(1, 1)),
         backend="gloo",
@@ -46,12 +46,12 @@ def _world(directory: Path, monkeypatch: pytest.MonkeyPatch) -> LiveWorld:
         in_place=True,
         stall_abort_s=None,
     )
-    live._watch = control.AssignmentWatch(NodeChannel(directory), 0, 3)
+    live._watch = roster.AssignmentWatch(NodeChannel(directory), 0, 3)
     return live
 
 
-def _assignment(round_: int, port: int) -> control.Assignment:
-    return control.Assignment(round_, 0, 1, 0, 0, 1, "127.0.0.1", port)
+def _assignment(round_: int, port: int) -> roster.Assignment:
+    return roster.Assignment(round_, 0, 1, 0, 0, 1, "127.0.0.1", port)
 
 
 def test_a_stale_round_whose_store_is_gone_is_skipped_for_the_newer_one(
@@ -61,11 +61,11 @@ def test_a_stale_round_whose_store_is_gone_is_skipped_for_the_newer_one(
     directory.mkdir(mode=0o700)
     live = _world(directory, monkeypatch)
     stale = _assignment(4, _free_port())  # its store is gone: nothing listens there
-    control.write_assignment(NodeChannel(directory), stale)
+    roster.write_assignment(NodeChannel(directory), stale)
     assert live._watch is not None and live._watch.poll(force=True) == stale
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
     newer = _assignment(5, master.port)
-    writer = threading.Timer(0.5, control.write_assignment, (NodeChannel(directory), newer))
+    writer = threading.Timer(0.5, roster.write_assignment, (NodeChannel(directory), newer))
     started = time.monotonic()
     writer.start()
     try:
@@ -97,10 +97,10 @@ def test_a_group_forming_for_a_round_whose_peers_went_on_gives_up_for_the_newer_
     directory.mkdir(mode=0o700)
     live = _world(directory, monkeypatch)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
-    forming = control.Assignment(5, 0, 2, 0, 0, 2, "127.0.0.1", master.port)
-    control.write_assignment(NodeChannel(directory), forming)
-    newer = control.Assignment(6, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
-    writer = threading.Timer(1.0, control.write_assignment, (NodeChannel(directory), newer))
+    forming = roster.Assignment(5, 0, 2, 0, 0, 2, "127.0.0.1", master.port)
+    roster.write_assignment(NodeChannel(directory), forming)
+    newer = roster.Assignment(6, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
+    writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
     started = time.monotonic()
     writer.start()
     try:
@@ -128,7 +128,7 @@ def test_a_starting_worker_whose_first_round_is_superseded_waits_for_its_agents_
     directory = tmp_path / "node"
     directory.mkdir(mode=0o700)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
-    first = control.Assignment(3, 0, 2, 0, 0, 2, "127.0.0.1", master.port)
+    first = roster.Assignment(3, 0, 2, 0, 0, 2, "127.0.0.1", master.port)
     live = _world(directory, monkeypatch)  # sets the round: 3
     for name, value in {
         "RANK": "0",
@@ -140,10 +140,10 @@ def test_a_starting_worker_whose_first_round_is_superseded_waits_for_its_agents_
         "MASTER_PORT": str(master.port),
     }.items():
         monkeypatch.setenv(name, value)
-    assert control.Assignment.from_environ() == first
+    assert roster.Assignment.from_environ() == first
     live.reform_timeout_s = 2.0
-    newer = control.Assignment(4, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
-    writer = threading.Timer(1.0, control.write_assignment, (NodeChannel(directory), newer))
+    newer = roster.Assignment(4, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
+    writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
     started = time.monotonic()
     writer.start()
     try:
@@ -151,7 +151,7 @@ def test_a_starting_worker_whose_first_round_is_superseded_waits_for_its_agents_
             live.open()
         took = time.monotonic() - started
         # registered as starting (the agent restarts it at once), and it did wait
-        assert control.registered_workers(NodeChannel(directory), live=False)
+        assert roster.registered_workers(NodeChannel(directory), live=False)
         assert took >= 1.0 + live.reform_timeout_s, f"gave up after {took:.1f} s"
         assert took < 20.0, f"{took:.1f} s"
     finally:

@@ -1,4 +1,4 @@
-"""Unit tests of the live parts: control channel, state commit/restore, failure
+"""Unit tests of the live parts: node channel, state commit/restore, failure
 classification, the agent's monotonic hang watchdog and its use of torch's loop."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import torch
 
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.channel import NodeChannel
-from slurm_elastic.live import ElasticState, control, is_peer_failure
+from slurm_elastic.live import ElasticState, is_peer_failure, roster
 from slurm_elastic.notice import report_progress
 
 
-def assignment(round_: int, local_rank: int = 0) -> control.Assignment:
-    return control.Assignment(round_, 2, 4, local_rank, 1, 2, "127.0.0.1", 1234)
+def assignment(round_: int, local_rank: int = 0) -> roster.Assignment:
+    return roster.Assignment(round_, 2, 4, local_rank, 1, 2, "127.0.0.1", 1234)
 
 
 def test_assignment_watch_returns_only_newer_rounds(tmp_path: Path) -> None:
-    watch = control.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=3, min_interval_s=0)
+    watch = roster.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=3, min_interval_s=0)
     assert watch.poll() is None
-    control.write_assignment(NodeChannel(tmp_path), assignment(3))
+    roster.write_assignment(NodeChannel(tmp_path), assignment(3))
     assert watch.poll() is None  # the round the worker is in: stale
-    control.write_assignment(NodeChannel(tmp_path), assignment(4))
+    roster.write_assignment(NodeChannel(tmp_path), assignment(4))
     assert watch.poll() == assignment(4)
     watch.current_round = 4
     assert watch.poll() is None
@@ -33,22 +33,22 @@ def test_assignment_watch_returns_only_newer_rounds(tmp_path: Path) -> None:
 
 def test_malformed_assignment_is_ignored_with_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "assign.0").write_text('{"round": 5, "rank": 9, "world_size": 2}')
-    assert control.read_assignment(NodeChannel(tmp_path), 0) is None
+    assert roster.read_assignment(NodeChannel(tmp_path), 0) is None
     with pytest.raises(ValueError, match="malformed assignment"):
-        control.Assignment.from_dict({"round": "x"})
+        roster.Assignment.from_dict({"round": "x"})
 
 
 def test_registration_round_trip_and_clear(tmp_path: Path) -> None:
-    control.register_worker(NodeChannel(tmp_path), 0, 111)
-    control.register_worker(NodeChannel(tmp_path), 1, 222)
-    assert control.registered_workers(NodeChannel(tmp_path)) == {0: 111, 1: 222}
+    roster.register_worker(NodeChannel(tmp_path), 0, 111)
+    roster.register_worker(NodeChannel(tmp_path), 1, 222)
+    assert roster.registered_workers(NodeChannel(tmp_path)) == {0: 111, 1: 222}
     NodeChannel(tmp_path).clear()
-    assert control.registered_workers(NodeChannel(tmp_path)) == {}
+    assert roster.registered_workers(NodeChannel(tmp_path)) == {}
 
 
 def test_in_place_switch() -> None:
-    assert control.in_place_enabled({})
-    assert not control.in_place_enabled({control.IN_PLACE_ENV: "0"})
+    assert roster.in_place_enabled({})
+    assert not roster.in_place_enabled({roster.IN_PLACE_ENV: "0"})
 
 
 def test_restore_rolls_back_and_commit_is_not_aliased_by_the_optimizer() -> None:

@@ -14,9 +14,9 @@ import pytest
 
 from slurm_elastic import channel, envvars, notice
 from slurm_elastic.channel import NODE_DIR_ENV, NodeChannel
-from slurm_elastic.live import control
+from slurm_elastic.live import roster
 
-ASSIGNMENT = control.Assignment(4, 1, 2, 0, 1, 2, "127.0.0.1", 29500)
+ASSIGNMENT = roster.Assignment(4, 1, 2, 0, 1, 2, "127.0.0.1", 29500)
 
 
 def write_every_message(node: NodeChannel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,8 +26,8 @@ def write_every_message(node: NodeChannel, monkeypatch: pytest.MonkeyPatch) -> N
     try:
         notice.raise_notice(node, reason="stop")  # agent
         assert notice.report_progress(7, force=True)  # worker, path from the environment
-        control.register_worker(node, 0, os.getpid(), live=False)  # worker
-        control.write_assignment(node, ASSIGNMENT)  # agent
+        roster.register_worker(node, 0, os.getpid(), live=False)  # worker
+        roster.write_assignment(node, ASSIGNMENT)  # agent
     finally:
         notice.reload_environment()
 
@@ -41,8 +41,8 @@ def test_every_message_lives_in_the_one_directory_and_is_listed(
     assert names == ["assign.0", "notice", "progress", "worker.0"]
     assert notice.notice_raised(node)
     assert notice.last_progress(node.progress) is not None
-    assert control.registered_workers(node, live=False) == {0: os.getpid()}
-    assert control.read_assignment(node, 0) == ASSIGNMENT
+    assert roster.registered_workers(node, live=False) == {0: os.getpid()}
+    assert roster.read_assignment(node, 0) == ASSIGNMENT
     # the module's list of messages names every file kind
     listed = channel.__doc__ or ""
     for kind in (
@@ -64,7 +64,7 @@ def test_clear_removes_every_message_and_nothing_else(
     node.clear()
     assert sorted(os.listdir(node.directory)) == ["keep"]
     assert not notice.notice_raised(node)
-    assert control.registered_workers(node, live=False) == {}
+    assert roster.registered_workers(node, live=False) == {}
     node.clear()  # idempotent
     NodeChannel(tmp_path / "absent").clear()  # no directory: nothing to do
 

@@ -63,9 +63,9 @@ IN_PLACE_ENV = envvars.IN_PLACE_ENV
 
 log = logging.getLogger(__name__)
 
-#: A control file larger than this is refused unread (ours are under 300 bytes).
+#: A channel file larger than this is refused unread (ours are under 300 bytes).
 MAX_FILE_BYTES = 64 * 1024
-# Ranges of the numbers in control files. Far above any real job, low enough that no
+# Ranges of the numbers in channel files. Far above any real job, low enough that no
 # reader can be made to build a list of world_size keys that does not fit in memory.
 _MAX_RANKS = 1 << 20
 _MAX_ROUND = (1 << 31) - 1

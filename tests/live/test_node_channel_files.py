@@ -1,8 +1,8 @@
-"""The node's control files as hostile input (issue 21, item 7).
+"""The node's channel files as hostile input (issue 21, item 7).
 
-Any process of the job's user can write the control directory, so every reader must
+Any process of the job's user can write the node directory, so every reader must
 survive a damaged or crafted file: non-finite or out-of-range numbers, bools where ints
-belong, FIFOs, directories and links named like control files, oversized files. Each
+belong, FIFOs, directories and links named like channel files, oversized files. Each
 is ignored with a warning naming the file (rate-limited), never raised or blocked on.
 
 Everything here is real: files and FIFOs (``os.mkfifo``) on disk, the real readers, the
@@ -27,13 +27,13 @@ import pytest
 from slurm_elastic import channel, notice
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.channel import NodeChannel
-from slurm_elastic.live import control
+from slurm_elastic.live import roster
 
 T = TypeVar("T")
 
 DEADLINE_S = 10.0
 
-GOOD = control.Assignment(
+GOOD = roster.Assignment(
     round=4,
     rank=2,
     world_size=4,
@@ -108,17 +108,17 @@ def test_bad_number_in_an_assignment_is_ignored_by_the_workers_poll_with_a_warni
     # 5.0 or "5" was taken as an assignment; the others were dropped without a word.
     path = tmp_path / "assign.0"
     path.write_text(crafted_assignment(field, literal))
-    watch = control.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
+    watch = roster.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
     assert watch.poll(force=True) is None
-    assert control.read_assignment(NodeChannel(tmp_path), 0) is None
+    assert roster.read_assignment(NodeChannel(tmp_path), 0) is None
     assert warnings_about(caplog, path), caplog.text
 
 
 def test_the_workers_poll_takes_a_good_assignment_after_a_bad_one(tmp_path: Path) -> None:
     (tmp_path / "assign.0").write_text(crafted_assignment("round", "Infinity"))
-    watch = control.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
+    watch = roster.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
     assert watch.poll(force=True) is None
-    control.write_assignment(NodeChannel(tmp_path), GOOD)
+    roster.write_assignment(NodeChannel(tmp_path), GOOD)
     assert watch.poll(force=True) == GOOD
 
 
@@ -128,7 +128,7 @@ def test_fifo_named_like_an_assignment_does_not_block_the_workers_poll(
     # Before: read_text() waited forever for a writer.
     fifo = tmp_path / "assign.0"
     os.mkfifo(fifo)
-    watch = control.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
+    watch = roster.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
     assert without_blocking(lambda: watch.poll(force=True), fifo) is None
     assert any("not a regular file" in m for m in warnings_about(caplog, fifo)), caplog.text
 
@@ -144,11 +144,11 @@ def test_directory_or_link_named_like_an_assignment_is_ignored(
         path.mkdir()
     elif kind == "symlink":
         elsewhere = tmp_path / "elsewhere"
-        control.write_assignment(NodeChannel(elsewhere), GOOD)
+        roster.write_assignment(NodeChannel(elsewhere), GOOD)
         path.symlink_to(elsewhere / "assign.0")
     else:
         path.symlink_to(path.name)
-    watch = control.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
+    watch = roster.AssignmentWatch(NodeChannel(tmp_path), 0, current_round=0, min_interval_s=0)
     assert watch.poll(force=True) is None
     assert warnings_about(caplog, path), caplog.text
 
@@ -159,9 +159,9 @@ def test_oversized_assignment_is_refused_unread(
     # Valid JSON padded past the bound: before, the whole file was read and accepted.
     path = tmp_path / "assign.0"
     path.write_text(json.dumps(GOOD.as_dict()) + " " * (1 << 20))  # 1 MiB of padding
-    assert control.read_assignment(NodeChannel(tmp_path), 0) is None
+    assert roster.read_assignment(NodeChannel(tmp_path), 0) is None
     assert any("more than" in m for m in warnings_about(caplog, path)), caplog.text
-    assert control.MAX_FILE_BYTES < 1 << 20
+    assert roster.MAX_FILE_BYTES < 1 << 20
 
 
 def test_deeply_nested_json_is_ignored_not_raised(
@@ -170,7 +170,7 @@ def test_deeply_nested_json_is_ignored_not_raised(
     # Before: json's RecursionError escaped from the reader (it caught JSONDecodeError).
     path = tmp_path / "assign.0"
     path.write_text("[" * 50_000)  # under the size bound: the parser meets it
-    assert control.read_assignment(NodeChannel(tmp_path), 0) is None
+    assert roster.read_assignment(NodeChannel(tmp_path), 0) is None
     assert warnings_about(caplog, path), caplog.text
 
 
@@ -181,7 +181,7 @@ def test_assignment_for_another_local_rank_is_ignored(
     path = tmp_path / "assign.0"
     data = {**GOOD.as_dict(), "local_rank": 1}
     path.write_text(json.dumps(data))
-    assert control.read_assignment(NodeChannel(tmp_path), 0) is None
+    assert roster.read_assignment(NodeChannel(tmp_path), 0) is None
     assert warnings_about(caplog, path), caplog.text
 
 
@@ -214,11 +214,11 @@ def test_bad_pid_in_a_registration_is_ignored_by_the_agent_with_a_warning(
 ) -> None:
     # Before: "pid": Infinity raised OverflowError out of the agent's monitor; a huge,
     # negative or zero pid, true, 1.5 or "111" counted as a registration.
-    monkeypatch.delenv(control.IN_PLACE_ENV, raising=False)
-    control.register_worker(NodeChannel(tmp_path), 1, 222)
+    monkeypatch.delenv(roster.IN_PLACE_ENV, raising=False)
+    roster.register_worker(NodeChannel(tmp_path), 1, 222)
     path = tmp_path / "worker.0"
     path.write_text(f'{{"pid": {literal}, "live": true}}')
-    assert control.registered_workers(NodeChannel(tmp_path)) == {1: 222}
+    assert roster.registered_workers(NodeChannel(tmp_path)) == {1: 222}
     assert not agent_sees_registered(tmp_path, {0: 111, 1: 222})
     assert warnings_about(caplog, path), caplog.text
 
@@ -226,11 +226,11 @@ def test_bad_pid_in_a_registration_is_ignored_by_the_agent_with_a_warning(
 def test_fifo_named_like_a_registration_does_not_block_the_agent(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(control.IN_PLACE_ENV, raising=False)
-    control.register_worker(NodeChannel(tmp_path), 1, 222)
+    monkeypatch.delenv(roster.IN_PLACE_ENV, raising=False)
+    roster.register_worker(NodeChannel(tmp_path), 1, 222)
     fifo = tmp_path / "worker.0"
     os.mkfifo(fifo)
-    assert without_blocking(lambda: control.registered_workers(NodeChannel(tmp_path)), fifo) == {
+    assert without_blocking(lambda: roster.registered_workers(NodeChannel(tmp_path)), fifo) == {
         1: 222
     }
     assert not without_blocking(lambda: agent_sees_registered(tmp_path, {0: 1, 1: 222}), fifo)
@@ -241,10 +241,10 @@ def test_directory_named_like_a_registration_is_ignored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Before: IsADirectoryError out of registered_workers().
-    control.register_worker(NodeChannel(tmp_path), 1, 222)
+    roster.register_worker(NodeChannel(tmp_path), 1, 222)
     (tmp_path / "worker.0").mkdir()
     (tmp_path / "worker.x").write_text('{"pid": 5, "live": true}')
-    assert control.registered_workers(NodeChannel(tmp_path)) == {1: 222}
+    assert roster.registered_workers(NodeChannel(tmp_path)) == {1: 222}
     assert warnings_about(caplog, tmp_path / "worker.0"), caplog.text
     assert warnings_about(caplog, tmp_path / "worker.x"), caplog.text
 
@@ -255,11 +255,11 @@ def test_a_bad_file_met_in_a_poll_loop_is_warned_about_once(
     path = tmp_path / "worker.0"
     path.write_text('{"pid": Infinity, "live": true}')
     for _ in range(50):
-        assert control.registered_workers(NodeChannel(tmp_path)) == {}
+        assert roster.registered_workers(NodeChannel(tmp_path)) == {}
     assert len(warnings_about(caplog, path)) == 1, caplog.text
     # Once the interval has passed, the next warning counts what was held back.
     monkeypatch.setattr(channel, "IGNORED_WARNING_INTERVAL_S", 0.0)
-    control.registered_workers(NodeChannel(tmp_path))
+    roster.registered_workers(NodeChannel(tmp_path))
     messages = warnings_about(caplog, path)
     assert len(messages) == 2
     assert "(49 similar warnings suppressed)" in messages[1]
@@ -269,7 +269,7 @@ def test_clear_survives_a_directory_named_like_a_control_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Before: IsADirectoryError out of clear(), i.e. out of the agent's round start.
-    control.register_worker(NodeChannel(tmp_path), 1, 222)
+    roster.register_worker(NodeChannel(tmp_path), 1, 222)
     (tmp_path / "assign.0").mkdir()
     NodeChannel(tmp_path).clear()
     assert not (tmp_path / "worker.1").exists()
@@ -284,8 +284,8 @@ def test_fifo_at_the_temporary_name_does_not_block_a_registration(tmp_path: Path
     # register_worker() (and write_assignment(), the same writer) until a reader came.
     fifo = tmp_path / f".worker.0.{os.getpid()}.tmp"
     os.mkfifo(fifo)
-    without_blocking(lambda: control.register_worker(NodeChannel(tmp_path), 0, 111), fifo)
-    assert control.registered_workers(NodeChannel(tmp_path)) == {0: 111}
+    without_blocking(lambda: roster.register_worker(NodeChannel(tmp_path), 0, 111), fifo)
+    assert roster.registered_workers(NodeChannel(tmp_path)) == {0: 111}
     assert not fifo.exists()  # renamed into place: the writer made its own file
 
 
