@@ -15,7 +15,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from slurm_elastic.rendezvous.decisions import Readable
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
-from slurm_elastic.rendezvous.link import RETRY_S, ProcessLink, Target, probe
+from slurm_elastic.rendezvous.link import RETRY_S, ProcessLink, Target
+from slurm_elastic.rendezvous.link_probe import probe
 from slurm_elastic.rendezvous.state import PARTICIPANTS, Node
 
 __all__ = ["MemberLinks"]

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from slurm_elastic.rendezvous import link as link_mod
+from slurm_elastic.rendezvous import link_probe
 from slurm_elastic.rendezvous.link import RECORD, ProcessLink, Target
 from tests.helpers import wait_for
 
@@ -308,7 +309,7 @@ def test_a_probe_reaches_a_live_link_and_a_refusing_host() -> None:
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
     try:
-        reached = link_mod.probe(
+        reached = link_probe.probe(
             {
                 "live": Target("127.0.0.1", record),
                 "refused": Target("127.0.0.1", RECORD.pack(closed_port, os.urandom(16))),
