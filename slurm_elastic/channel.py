@@ -28,7 +28,8 @@ agent gone         the worker's parent pid changes (the agent   :mod:`slurm_elas
                    died: the worker leaves at a step boundary)  boundary`
 =================  ==========================================  ===========================
 
-The files are read as hostile input (any process of the user can write the directory):
+The files are read as hostile input (any process of the user can write the directory),
+through the shared primitives of :mod:`slurm_elastic.privatefs`:
 :func:`read_node_file` never blocks and never follows a link; it opens with
 ``O_NONBLOCK | O_NOFOLLOW``, refuses what ``fstat`` says is not a regular file (a FIFO,
 a directory, a device) and a file larger than its bound, and reads at most that bound.
@@ -46,7 +47,7 @@ Torch-free; below :mod:`slurm_elastic.notice` and :mod:`slurm_elastic.live`.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import logging
 import os
 import stat
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from slurm_elastic.envvars import NODE_DIR_ENV
-from slurm_elastic.privatefs import ensure_private_dir
+from slurm_elastic.privatefs import ensure_private_dir, read_regular, replace_file
 
 __all__ = [
     "IGNORED_WARNING_INTERVAL_S",
@@ -216,39 +217,19 @@ def read_node_file(
         ``max_bytes``, or not readable.
     """
     try:
-        # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for
-        # a writer; it changes nothing for a regular file.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
+        got = read_regular(path, limit=max_bytes)  # no link, no blocking on a FIFO
+    except OSError as exc:  # ELOOP: a symbolic link; EACCES; EIO
+        if exc.errno == errno.EISDIR:
+            why = "not a regular file"
+        elif exc.errno == errno.EFBIG:
+            why = exc.strerror or "too large"
+        else:
+            why = f"cannot read it ({exc.strerror or exc})"
+        warn_ignored(logger, path, why)
         return None
-    except OSError as exc:  # ELOOP: a symbolic link; EACCES; ENOTDIR
-        warn_ignored(logger, path, f"cannot open it ({exc.strerror or exc})")
+    if got is None:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            warn_ignored(logger, path, "not a regular file")
-            return None
-        if st.st_size > max_bytes:
-            warn_ignored(logger, path, f"{st.st_size} bytes, more than {max_bytes}")
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > max_bytes:  # it grew after the fstat
-            warn_ignored(logger, path, f"more than {max_bytes} bytes")
-            return None
-        return NodeFile(b"".join(chunks), st.st_mtime)
-    except OSError as exc:  # EIO, or a file system that refuses the read
-        warn_ignored(logger, path, f"cannot read it ({exc.strerror or exc})")
-        return None
-    finally:
-        os.close(fd)
+    return NodeFile(got[0], got[1].st_mtime)
 
 
 def write_node_file(path: str | os.PathLike[str], data: bytes) -> None:
@@ -264,18 +245,7 @@ def write_node_file(path: str | os.PathLike[str], data: bytes) -> None:
     """
     target = Path(path)
     ensure_private_dir(target.parent)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
+    replace_file(target, data, tmp=f".{target.name}.{os.getpid()}.tmp", clear_tmp=True)
 
 
 def file_present(path: str | os.PathLike[str], logger: logging.Logger) -> bool:

@@ -70,6 +70,7 @@ from typing import Any
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.trust import CheckedDir, UntrustedCheckpointError, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
+from slurm_elastic.privatefs import write_new
 
 __all__ = [
     "MANIFEST_NAME",
@@ -374,16 +375,7 @@ def write_manifest(directory: Path, manifest: Manifest, *, sync: bool = True) ->
     ``sync``: fsync it (the commit instead fsyncs it together with the data files,
     :func:`sync_checkpoint`).
     """
-    data = manifest.to_json().encode()
-    fd = os.open(directory / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_new(directory / MANIFEST_NAME, manifest.to_json().encode(), fsync=sync)
 
 
 _sync_pool: tuple[int, ThreadPoolExecutor] | None = None

@@ -11,18 +11,20 @@ import dataclasses
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_elastic.errors import UnsafeDirectoryError
-from slurm_elastic.privatefs import ensure_private_dir
+from slurm_elastic.privatefs import ensure_private_dir, read_regular, replace_file
 
 __all__ = ["RunIndexEntry", "find_run", "record_run", "run_index_dir"]
 
 log = logging.getLogger(__name__)
+
+#: A run index entry is a few hundred bytes; anything larger is not ours.
+_MAX_ENTRY_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,12 @@ def record_run(
     try:
         directory = run_index_dir()
         ensure_private_dir(directory, root=directory.parent)
-        tmp = directory / f".{run_id}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(dataclasses.asdict(entry), fh)
-        os.replace(tmp, directory / f"{run_id}.json")
+        replace_file(
+            directory / f"{run_id}.json",
+            json.dumps(dataclasses.asdict(entry)).encode(),
+            tmp=f".{run_id}.{os.getpid()}.tmp",
+            clear_tmp=True,
+        )
     except (OSError, ValueError, UnsafeDirectoryError) as exc:
         log.debug("cannot record run %s in the run index: %s", run_id, exc)
 
@@ -86,17 +89,15 @@ def find_run(run_id: str) -> RunIndexEntry | None:
     """
     path = run_index_dir() / f"{run_id}.json"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+        got = read_regular(path, limit=_MAX_ENTRY_BYTES, owned=True)
+    except OSError as exc:  # a link, not a file, another user's, too large
+        log.warning("ignoring run index entry %s: %s", path, exc.strerror or exc)
         return None
-    with os.fdopen(fd, encoding="utf-8") as fh:
-        info = os.fstat(fh.fileno())
-        if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
-            log.warning("ignoring run index entry %s: not a file of this user", path)
-            return None
-        try:
-            data = json.load(fh)
-            return RunIndexEntry(**{k: data[k] for k in data if k in RunIndexEntry.__annotations__})
-        except (ValueError, TypeError) as exc:
-            log.warning("ignoring unreadable run index entry %s: %s", path, exc)
-            return None
+    if got is None:
+        return None
+    try:
+        data = json.loads(got[0])
+        return RunIndexEntry(**{k: data[k] for k in data if k in RunIndexEntry.__annotations__})
+    except (ValueError, TypeError) as exc:
+        log.warning("ignoring unreadable run index entry %s: %s", path, exc)
+        return None

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from slurm_elastic.envvars import KEY_FILE_ENV
 from slurm_elastic.errors import RoundSupersededError, UnsafeDirectoryError
+from slurm_elastic.privatefs import publish_exclusive
 
 __all__ = [
     "KEY_BYTES",
@@ -135,19 +136,9 @@ def load_or_create_key(directory: str | os.PathLike[str], name: str) -> Path:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
             except FileNotFoundError:
-                tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
-                try:
-                    os.write(fd, os.urandom(KEY_BYTES))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                try:
-                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                except FileExistsError:
-                    pass  # another agent's key won: read it
-                finally:
-                    os.unlink(tmp, dir_fd=dfd)
+                # Written aside, then linked into place: the first complete key wins;
+                # another agent's that won is read on the next pass.
+                publish_exclusive(name, os.urandom(KEY_BYTES), dir_fd=dfd, fsync=True)
                 continue
             try:
                 _check_key_file(fd, str(path))

@@ -42,6 +42,7 @@ from collections import Counter
 from pathlib import Path
 
 from slurm_elastic.errors import MissingDirectoryError, RendezvousSetupError
+from slurm_elastic.privatefs import publish_exclusive, read_regular, replace_file
 
 __all__ = ["FS_OPS", "FsOps", "MissingDirectoryError", "SafeDir", "open_nofollow"]
 
@@ -330,29 +331,10 @@ class SafeDir:
         """Return a unique temporary name (host, pid and random suffix)."""
         return f".tmp.{stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
 
-    def _write_new(self, name: str, data: bytes, *, fsync: bool) -> None:
-        FS_OPS.add("open")
-        fd = os.open(
-            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600,
-            dir_fd=self.fd,
-        )  # fmt: skip
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def link_exclusive(self, name: str, data: bytes, *, fsync: bool = False) -> bool:
-        """Publish ``data`` as ``name`` only if that name does not exist yet.
-
-        The content is written to a private temporary file first and then hard-linked
-        to its final name: ``link(2)`` fails with ``EEXIST`` when the name exists, on
-        every POSIX filesystem including NFS and Lustre, and the file appears with its
-        full content (readers never see a partial file).
+        """Publish ``data`` as ``name`` only if that name does not exist yet
+        (:func:`slurm_elastic.privatefs.publish_exclusive`: a temporary file, then
+        ``link``; readers never see a partial file).
 
         Returns:
             True when this call created the name; False when it existed already.
@@ -360,36 +342,17 @@ class SafeDir:
         Raises:
             OSError: any other filesystem error.
         """
-        tmp = self.tmp_name(name)
-        self._write_new(tmp, data, fsync=fsync)
-        try:
-            FS_OPS.add("link")
-            os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
-            return True
-        except FileExistsError:
-            # An NFS retransmission can report EEXIST for a link that did succeed: the
-            # classic check is whether the target is our inode.
-            try:
-                FS_OPS.add("stat")
-                return os.stat(tmp, dir_fd=self.fd, follow_symlinks=False).st_nlink == 2
-            except OSError:
-                return False
-        finally:
-            FS_OPS.add("unlink")
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self.fd)
+        FS_OPS.add("open")
+        FS_OPS.add("link")
+        FS_OPS.add("unlink")
+        return publish_exclusive(name, data, dir_fd=self.fd, fsync=fsync, tmp=self.tmp_name(name))
 
     def replace(self, name: str, data: bytes, *, fsync: bool = False) -> None:
-        """Atomically replace ``name`` with ``data`` (temporary file + rename)."""
-        tmp = self.tmp_name(name)
-        self._write_new(tmp, data, fsync=fsync)
-        try:
-            self.rename(tmp, name)
-        except OSError:
-            FS_OPS.add("unlink")
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self.fd)
-            raise
+        """Atomically replace ``name`` with ``data`` (temporary file + rename,
+        :func:`slurm_elastic.privatefs.replace_file`)."""
+        FS_OPS.add("open")
+        FS_OPS.add("rename")
+        replace_file(name, data, dir_fd=self.fd, fsync=fsync, tmp=self.tmp_name(name))
 
     def rename(self, src: str, dst: str, *, dst_dir: SafeDir | None = None) -> None:
         """``rename(2)`` ``src`` to ``dst`` (in ``dst_dir``, default this directory)."""
@@ -418,7 +381,8 @@ class SafeDir:
         )
 
     def read(self, name: str, limit: int = 64 << 20) -> bytes | None:
-        """Return the content of regular file ``name`` (no symlink), or None if missing.
+        """Return the content of regular file ``name`` (no symlink), or None if missing
+        (:func:`slurm_elastic.privatefs.read_regular`).
 
         Raises:
             OSError: the file exists but cannot be read: ``ELOOP`` for a symlink,
@@ -426,26 +390,15 @@ class SafeDir:
         """
         FS_OPS.add("open")
         try:
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
-        except FileNotFoundError:
+            got = read_regular(name, limit=limit, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno in (errno.EISDIR, errno.EFBIG):  # name the whole path
+                raise OSError(exc.errno, exc.strerror, self._child(name)) from None
+            raise
+        if got is None:
             return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EISDIR, f"{self._child(name)} is not a regular file")
-            chunks: list[bytes] = []
-            size = 0
-            while True:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-                FS_OPS.add_bytes(len(chunk))
-                if size > limit:
-                    raise OSError(errno.EFBIG, f"{self._child(name)} is larger than {limit} bytes")
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+        FS_OPS.add_bytes(len(got[0]))
+        return got[0]
 
     def open_read(self, name: str) -> int | None:
         """Open regular file ``name`` (no symlink) for reading: a descriptor, or None.
