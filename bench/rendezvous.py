@@ -788,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                 probe_us = machine_probe(work)
                 runs.append((simulate_formation(work, n, store=True), probe_us))
             runs.sort(key=lambda r: r[0]["seconds"] if r[0]["seconds"] is not None else 1e9)
-            e2e, probe_us = runs[len(runs) // 2]
+            e2e = runs[len(runs) // 2][0]
             budget = SIM_TARGETS_S.get(n)
             report(
                 f"formation_e2e_sim/N={n}", e2e["seconds"], budget, 1.0,

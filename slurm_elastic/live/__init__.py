@@ -3,7 +3,7 @@
 Concept: when a node joins, leaves with notice, a spare is promoted, or a peer dies,
 the workers that stay keep their processes. The agent runs the new rendezvous round
 while they train and hands each worker its new rank, world size and the round's store
-through the node's node channel (:mod:`~slurm_elastic.live.roster`); at a step
+through the node channel (:mod:`~slurm_elastic.live.roster`); at a step
 boundary the workers agree, tear down the process group and build the new one, and
 newcomers receive the committed state by broadcast from a survivor.
 

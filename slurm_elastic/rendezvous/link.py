@@ -295,8 +295,9 @@ class ProcessLink:
     def _until_due(self) -> float:
         """Seconds until something is due: a ping, a silence or handshake deadline, a
         retry (new targets and closing wake the thread through :meth:`_wake`). At most a
-        ping interval. An idle link costs only its pings: waking at a fixed 0.5 s as
-        well, 4,096 simulated agents' links woke 8,000 times a second."""
+        ping interval. An idle link costs only its pings (it also woke every 0.5 s
+        before: 0.31 ms of CPU per second per link at 2.5 s pings, 0.12 now, measured
+        with 200 links in one process)."""
         now = self._clock()
         due = now + self._ping_s
         for out in self._out.values():
