@@ -152,6 +152,43 @@ class Node:
         self.log.close()
 
 
+def newcomer_phases(tmp: Path, node: Node, t0: float, t_new: float) -> dict[str, float] | None:
+    """Where a newcomer's first step went, from its agent's and its worker's events:
+    each value is the time from the previous phase's end (ours only)."""
+    events_dir = tmp / "state" / "events" / "bench"
+    agent = _events(events_dir, node.proc.pid)
+    started = [e for e in agent if e["kind"] == "agent.workers_started"]
+    if not started:
+        return None
+    formed = [e["time"] for e in agent if e["kind"] == "rendezvous.complete"]
+    worker_pids = node.workers()
+    live = [
+        e["time"] for pid in worker_pids for e in _events(events_dir, pid)
+        if e["kind"] == "live.start"
+    ]  # fmt: skip
+    marks = [
+        ("agent_import_s", min(e["time"] for e in agent if e["kind"] == "agent.start")),
+        ("rendezvous_s", max(formed)),
+        ("workers_started_s", started[0]["time"]),
+        ("worker_ready_s", min(live) if live else None),
+        ("state_and_step_s", t_new),
+    ]
+    out, last = {}, t0
+    for name, mark in marks:
+        if mark is not None:
+            out[name], last = round(mark - last, 3), mark
+    return out
+
+
+def _events(events_dir: Path, pid: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for path in events_dir.glob(f"*.{pid}.jsonl"):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return rows
+
+
 def ledger(tmp: Path) -> list[dict[str, Any]]:
     return sample_ledger.read(tmp / "ledger.jsonl")
 
@@ -245,7 +282,9 @@ def run_one(system: str, event: str, n: int, limit: float) -> dict[str, Any]:
             lost = len([s for s in redone if s <= last_step + 5])
             step_times = sorted({r["step"]: r["time"] for r in before}.values())[-30:]
             gaps = sorted(b - a for a, b in itertools.pairwise(step_times))
+            phases = newcomer_phases(tmp, nodes[-1], t0, t_new) if event == "join" else None
             return {
+                **({"newcomer_phases_s": phases} if phases else {}),
                 "stall_s": round(stall, 3),
                 "normal_step_gap_s": round(gaps[len(gaps) // 2], 3) if gaps else None,
                 "recovery_s": round(t_new - t0, 3),

@@ -49,6 +49,7 @@ __all__ = [
 ENV_PREFIX = envvars.PREFIX
 RDZV_BACKENDS = ("slurm", "c10d", "etcd-v2", "etcd", "static")
 REQUEUE_POLICIES = ("never", "preempt", "always")
+WORKER_STARTS = ("warm", "cold")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -135,6 +136,9 @@ class ElasticConfig:
         requeue: ``never``; ``preempt`` (requeue own task after a preemption notice,
             SIGTERM or time limit); ``always`` (also after giving up on failures).
         max_requeues: stop requeueing once ``SLURM_RESTART_COUNT`` reaches this.
+        worker_start: ``warm`` (the agent starts its workers' interpreters first, before
+            it imports torch itself, so a new node's workers skip ``import torch``;
+            :mod:`slurm_elastic.agent.warm_workers`) or ``cold``.
     """
 
     min_nodes: int = _field(1, _at_least(1))
@@ -199,6 +203,15 @@ class ElasticConfig:
         _flag("--requeue", choices=REQUEUE_POLICIES),
     )
     max_requeues: int = _field(20, _at_least(0), _flag("--max-requeues"))
+    worker_start: str = _field(
+        "warm",
+        Rule(
+            f"must be one of {', '.join(WORKER_STARTS)} (warm: the agent starts the workers' "
+            "interpreters, torch imported, before it needs them; cold: when it needs them)",
+            lambda v: v in WORKER_STARTS,
+        ),
+        _flag("--worker-start", choices=WORKER_STARTS, help="warm or cold worker start"),
+    )
 
     def __post_init__(self) -> None:
         _check_limits(self)

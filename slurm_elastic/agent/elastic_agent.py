@@ -67,6 +67,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from slurm_elastic import _startup_seam, events, notice, procstat
 from slurm_elastic.agent.round_store import RoundBoundStore
+from slurm_elastic.agent.warm_handler import warm_starts
+from slurm_elastic.agent.warm_workers import WarmWorkers
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import RoundLostError
@@ -140,9 +142,11 @@ class SlurmElasticAgent(LocalElasticAgent):
         notice_signal: signal.Signals,
         leave: Callable[[], None],
         leave_timeout_s: float,
+        warm: WarmWorkers | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._warm = warm
         self._membership_grace_s = membership_grace_s
         self._progress = progress
         self._hang_timeout_s = hang_timeout_s
@@ -217,7 +221,15 @@ class SlurmElasticAgent(LocalElasticAgent):
         # The round number lets workers tell a later assignment from a stale one.
         os.environ[roster.ROUND_ENV] = str(_round_of(worker_group.spec.rdzv_handler))
         events.compact()  # the event files of this node's stopped workers: into its archive
-        started = super()._start_workers(worker_group)
+        # The first start takes the interpreters that imported torch while the agent
+        # joined; later ones (restarts) start cold, and nothing idle is kept for them.
+        warm, self._warm = self._warm, None
+        try:
+            with warm_starts(warm):
+                started = super()._start_workers(worker_group)
+        finally:
+            if warm is not None:
+                warm.close()
         _startup_seam.pause("workers_start")  # tests only: a notice as the workers start
         return started
 

@@ -41,7 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from slurm_elastic import envvars, events
-from slurm_elastic.agent import node_dirs
+from slurm_elastic.agent import node_dirs, warm_workers
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.exit_codes import ExitCode
 from slurm_elastic.agent.notice_window import check_notice_window
@@ -60,6 +60,7 @@ from slurm_elastic.agent.stop import (
     install_stop_handlers,
     leave_rendezvous,
 )
+from slurm_elastic.agent.warm_workers import WarmWorkers
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.agent.worker_env import python_entrypoint, worker_environment
 from slurm_elastic.channel import NodeChannel
@@ -90,6 +91,7 @@ def run_agent(
     rdzv_conf: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
     client: SlurmControl | None = None,
+    warm: WarmWorkers | None = None,
 ) -> int:
     """Run this node's agent until the run finishes, fails, or the node is preempted.
 
@@ -103,12 +105,16 @@ def run_agent(
         rdzv_conf: extra rendezvous settings (torchrun's ``--rdzv-conf``).
         environ: the environment to read Slurm from (default ``os.environ``).
         client: the Slurm seam (default: a new ``SlurmClient``).
+        warm: the workers' interpreters, started before torch was imported (the CLI
+            does); default: started here, per ``worker_start``. Closed on return.
 
     Returns:
         An :class:`ExitCode`.
     """
     env = os.environ if environ is None else environ
     slurm = SlurmEnv.from_environ(env)
+    if warm is None:
+        warm = warm_workers.start(config, os.environ)
     node_dirs.sweep()  # of agents killed before they could remove theirs
     node_dir = node_dirs.create()
     channel = NodeChannel(node_dir)
@@ -125,9 +131,12 @@ def run_agent(
                 slurm=slurm,
                 client=client,
                 channel=channel,
+                warm=warm,
             )
         )
     finally:
+        if warm is not None:
+            warm.close()
         shutil.rmtree(node_dir, ignore_errors=True)
 
 
@@ -144,6 +153,7 @@ class _Launch:
         client: the Slurm seam (``None``: the default one, created when first needed).
         channel: the node channel through which the agent and its workers talk (its
             directory: :mod:`.node_dirs`).
+        warm: the workers' waiting interpreters (:mod:`.warm_workers`), if any.
     """
 
     config: ElasticConfig
@@ -156,6 +166,7 @@ class _Launch:
     slurm: SlurmEnv
     client: SlurmControl | None
     channel: NodeChannel
+    warm: WarmWorkers | None
 
 
 def _run(launch: _Launch) -> int:
@@ -288,6 +299,7 @@ def _make_agent(
         notice_signal=stop.notice_signal,
         leave=lambda: leave_rendezvous(handler),
         leave_timeout_s=config.shutdown_timeout_s,
+        warm=launch.warm,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from slurm_elastic import envvars
 from slurm_elastic.channel import NodeChannel
@@ -18,7 +18,7 @@ from slurm_elastic.config import ElasticConfig
 from slurm_elastic.live import roster
 from slurm_elastic.slurm.env import SlurmEnv
 
-__all__ = ["WORKER_ENV", "python_entrypoint", "worker_environment"]
+__all__ = ["WORKER_ENV", "python_entrypoint", "thread_environment", "worker_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,23 @@ def python_entrypoint(entrypoint: str, args: Sequence[str], module: bool) -> tup
     return sys.executable, ("-u", entrypoint, *args)
 
 
+def thread_environment(
+    config: ElasticConfig, slurm: SlurmEnv, environ: Mapping[str, str]
+) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for the workers when ``environ`` has none (else nothing).
+
+    torchrun sets 1 when several workers share a node; we know the node's CPUs from
+    Slurm, so each worker gets its share (torch would otherwise size its thread pools by
+    the whole machine, not by the allocation). Read at ``import torch``: the warm
+    interpreters (:mod:`.warm_workers`) start with it.
+    """
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    nproc = config.nproc_per_node or 1
+    cpus = slurm.cpus_on_node or os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(max(1, cpus // nproc))}
+
+
 def worker_environment(
     config: ElasticConfig,
     slurm: SlurmEnv,
@@ -57,17 +74,13 @@ def worker_environment(
         # Our handlers own TERM/HUP/QUIT and the notice signal; torch's keeps SIGINT.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT",
     }
-    if "OMP_NUM_THREADS" not in os.environ:
-        # torchrun sets 1 when several workers share a node; we know the node's CPUs from
-        # Slurm, so give each worker its share (torch would otherwise size its thread
-        # pools by the whole machine, not by the allocation).
-        nproc = config.nproc_per_node or 1
-        cpus = slurm.cpus_on_node or os.cpu_count() or 1
-        values["OMP_NUM_THREADS"] = max(1, cpus // nproc)
+    threads = thread_environment(config, slurm, os.environ)
+    if threads:
         log.info(
             "OMP_NUM_THREADS unset: %s per worker (%s CPUs / %s workers)",
-            values["OMP_NUM_THREADS"],
-            cpus,
-            nproc,
+            threads["OMP_NUM_THREADS"],
+            slurm.cpus_on_node or os.cpu_count() or 1,
+            config.nproc_per_node or 1,
         )
+    values.update(threads)
     return {k: str(v) for k, v in values.items() if v is not None}

@@ -131,24 +131,33 @@ def _cmd_agent(ns: argparse.Namespace) -> int:
 
     _startup_seam.pause("agent_start")  # tests only: a notice before any handler exists
     hold_early_notices()
-    from slurm_elastic.agent import rendezvous_parameters, run_agent
-
     config = _load(ns)
-    redirects = _check_std("--redirects", ns.redirects)
-    tee = _check_std("--tee", ns.tee)
-    rdzv_conf = _parse_kv(ns.rdzv_conf, "--rdzv-conf")
-    rendezvous_parameters(config, rdzv_conf)  # usage errors now, as one line, exit 2
-    return int(
-        run_agent(
-            config,
-            ns.entrypoint,
-            ns.args,
-            module=ns.module,
-            redirects=redirects,
-            tee=tee,
-            rdzv_conf=rdzv_conf,
+    # The workers' interpreters import torch while this one does and joins the rendezvous.
+    from slurm_elastic.agent import warm_workers
+
+    warm = warm_workers.start(config, os.environ)
+    try:
+        from slurm_elastic.agent import rendezvous_parameters, run_agent
+
+        redirects = _check_std("--redirects", ns.redirects)
+        tee = _check_std("--tee", ns.tee)
+        rdzv_conf = _parse_kv(ns.rdzv_conf, "--rdzv-conf")
+        rendezvous_parameters(config, rdzv_conf)  # usage errors now, as one line, exit 2
+        return int(
+            run_agent(
+                config,
+                ns.entrypoint,
+                ns.args,
+                module=ns.module,
+                redirects=redirects,
+                tee=tee,
+                rdzv_conf=rdzv_conf,
+                warm=warm,
+            )
         )
-    )
+    finally:
+        if warm is not None:
+            warm.close()
 
 
 def _cmd_config(ns: argparse.Namespace) -> int:

@@ -27,8 +27,17 @@ def run_spec(spec_path: str | os.PathLike[str]) -> int:
         The agent's exit code.
     """
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    from slurm_elastic.agent import run_agent
+    from slurm_elastic.agent import warm_workers
     from slurm_elastic.config import load_config
 
     config = load_config(None, environ=os.environ, overrides=spec["overrides"])
-    return int(run_agent(config, spec["entrypoint"], spec["args"], module=spec["module"]))
+    warm = warm_workers.start(config, os.environ)  # before this process imports torch
+    try:
+        from slurm_elastic.agent import run_agent
+
+        return int(
+            run_agent(config, spec["entrypoint"], spec["args"], module=spec["module"], warm=warm)
+        )
+    finally:
+        if warm is not None:
+            warm.close()

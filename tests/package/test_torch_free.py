@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
         "from slurm_elastic.submit import submit, plan_submission",
         "from slurm_elastic.submit.node import run_spec",
         "from slurm_elastic import notice, events",
+        # the agent starts its workers' interpreters before it imports torch
+        "from slurm_elastic.agent import ExitCode, warm_workers",
     ],
 )
 def test_imports_without_torch(statement: str) -> None:
