@@ -45,6 +45,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 from slurm_elastic import envvars
 from slurm_elastic.agent.worker_env import thread_environment
 from slurm_elastic.config import ElasticConfig
+from slurm_elastic.signals import EARLY_NOTICE_SIGNALS
 from slurm_elastic.slurm.env import SlurmEnv
 
 __all__ = ["PRELOAD", "RUNTIME_VARIABLES", "WarmStart", "WarmWorkers", "main", "start"]
@@ -301,6 +303,8 @@ def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 def _become(start: WarmStart, fds: list[int]) -> None:
     """Turn this interpreter into the worker's process state (before its script runs)."""
+    for sig in EARLY_NOTICE_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     os.umask(start.umask)
     os.chdir(start.cwd)
     os.environ.clear()
@@ -322,6 +326,10 @@ def _become(start: WarmStart, fds: list[int]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Import torch, wait for the start message, then run the worker's script."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # A notice sent to every process of the step (scancel --signal without --batch) is
+    # the agent's business while this one waits; the worker gets the defaults back.
+    for sig in EARLY_NOTICE_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=int(args[0]))
     for name in PRELOAD:  # the point: paid before the worker is needed
         with contextlib.suppress(ImportError):

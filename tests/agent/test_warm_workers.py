@@ -37,7 +37,7 @@ from tests.helpers import wait_for
 # reproduce (the pid and whether torch was already imported aside).
 PROBE = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, signal, sys
     preloaded = "torch" in sys.modules
     import torch
     print(json.dumps({
@@ -46,6 +46,7 @@ PROBE = textwrap.dedent(
         "env": {k: os.environ.get(k) for k in ("RANK", "TORCHELASTIC_PROBE", "OMP_NUM_THREADS")},
         "session_leader": os.getsid(0) == os.getpid(), "umask": os.umask(0o22),
         "threads": torch.get_num_threads(), "preloaded": preloaded, "pid": os.getpid(),
+        "usr2": str(signal.getsignal(signal.SIGUSR2)),
     }), flush=True)
     print("to stderr", file=sys.stderr)
     if sys.argv[1:2] == ["hang"]:
@@ -151,6 +152,32 @@ def test_torch_sees_a_warm_workers_exit_status_and_stops_it_like_a_cold_one(
     finally:
         warm.close()
         second.close()
+
+
+def _ignores(pid: int, sig: signal.Signals) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    return False
+
+
+def test_a_notice_to_every_process_does_not_end_a_waiting_interpreter(
+    tmp_path: Path, probe: Path
+) -> None:
+    """``scancel --signal=USR2`` without ``--batch`` reaches every process of the step: the
+    waiting interpreter ignores it (the agent acts on it); its worker has the default."""
+    warm = WarmWorkers(1, _env())
+    (pid,) = warm.pids()
+    try:
+        wait_for(lambda: _ignores(pid, signal.SIGUSR2), 60, "the interpreter to ignore USR2")
+        os.kill(pid, signal.SIGUSR2)
+        os.kill(pid, signal.SIGUSR1)
+        pc = _start(tmp_path, "warm", ("-u", str(probe)), warm, nproc=1)
+        assert pc.pids()[0] == pid
+        report = _reports(pc)[0]
+        assert report["preloaded"] and report["usr2"] == str(signal.SIG_DFL)
+    finally:
+        warm.close()
 
 
 def _gone(pid: int) -> bool:
