@@ -74,6 +74,8 @@ EVICTION_S = 0.5 * 3  # our heartbeat: interval x misses (detection adds up to o
 HARD_S = 1.0
 # Issue 22: a newcomer's first step (its agent started -> first step in the new world).
 NEWCOMER_S = 6.0
+# Our agents' worker start (--worker-start): warm (the default) or cold, for comparison.
+WORKER_START = "warm"
 
 
 def _free_port() -> int:
@@ -113,7 +115,7 @@ class Node:
                 "--state-dir", str(tmp / "state"), "--max-restarts", "3",
                 "--rdzv-conf",
                 "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1",
-                "--shutdown-timeout", "20", *train,
+                "--shutdown-timeout", "20", "--worker-start", WORKER_START, *train,
             ]  # fmt: skip
         self.log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -361,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         help="systems to run (default: inplace,restart,torchrun; --quick: each event's target pair)",
     )
     ap.add_argument("--events", default=None, help="comma-separated subset of the events")
+    ap.add_argument(
+        "--worker-start", choices=("warm", "cold"), default="warm", help="our agents' worker start"
+    )
     args = ap.parse_args(argv)
+    global WORKER_START
+    WORKER_START = args.worker_start
     n = args.nodes or (2 if args.quick else 4)
     events = ["join", "leave", "hard_nonstore"]
     if not args.quick:
