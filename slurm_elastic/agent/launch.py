@@ -114,7 +114,7 @@ def run_agent(
     env = os.environ if environ is None else environ
     slurm = SlurmEnv.from_environ(env)
     if warm is None:
-        warm = warm_workers.start(config, os.environ)
+        warm = warm_workers.start(config, os.environ, entrypoint, args, module)
     node_dirs.sweep()  # of agents killed before they could remove theirs
     node_dir = node_dirs.create()
     channel = NodeChannel(node_dir)

@@ -11,7 +11,9 @@ and log files go to a waiting interpreter over a socket pair (JSON, the files as
 descriptors; nothing is unpickled) and it runs the script as ``python -u script.py ...``
 or ``python -u -m module ...`` would.
 
-The started process is what torch expects: a child of the agent, the leader of its own
+A waiting interpreter's command line ends with the worker's (``python -u -m
+slurm_elastic.agent.warm_workers FD -- train.py --steps 10``): ``ps`` and ``pgrep -f
+train.py`` show what it runs or will run. The started process is what torch expects: a child of the agent, the leader of its own
 session (torch's ``start_new_session``, so ``killpg`` reaches it), with the worker's
 ``sys.argv``, ``sys.path[0]``, ``__main__``, environment, descriptors 1 and 2, and exit
 status. What the interpreter printed while importing torch is copied into the worker's
@@ -20,8 +22,8 @@ stderr first.
 A worker starts cold (torch's own ``Popen``), with the reason in the agent's log, when:
 
 * ``worker_start: cold`` (``--worker-start cold``, ``SLURM_ELASTIC_WORKER_START=cold``);
-* the command is not this interpreter with ``-u`` on a script or ``-m module`` (e.g.
-  torch wrapped it for NUMA binding);
+* the command is not the one the interpreters were started for (e.g. torch wrapped it
+  for NUMA binding);
 * a variable differs from the one the interpreter started with, other than the ones a
   worker reads after start-up (:data:`RUNTIME_VARIABLES`, ``TORCHELASTIC_*`` and ours):
   ``PYTHONPATH``, ``LD_PRELOAD``, ``OMP_NUM_THREADS`` and the like are read at start-up or
@@ -55,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from slurm_elastic import envvars
-from slurm_elastic.agent.worker_env import thread_environment
+from slurm_elastic.agent.worker_env import python_entrypoint, thread_environment
 from slurm_elastic.config import ElasticConfig
 from slurm_elastic.signals import EARLY_NOTICE_SIGNALS
 from slurm_elastic.slurm.env import SlurmEnv
@@ -156,14 +158,16 @@ def parse_command(args: Sequence[str]) -> tuple[list[str], bool] | None:
 class _Waiting:
     """One interpreter importing torch, or waiting for its worker."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], command: Sequence[str]) -> None:
         self.env = dict(env)
+        self.command = tuple(command)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # Import-time output, replayed into the worker's stderr once there is one.
         early = tempfile.TemporaryFile()  # noqa: SIM115 - the child keeps it
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", __name__, str(theirs.fileno())],
+                # The worker's command after "--": ps and pgrep -f show what it will run.
+                [sys.executable, "-u", "-m", __name__, str(theirs.fileno()), "--", *command[2:]],
                 env=self.env,
                 stdout=early,
                 stderr=early,
@@ -198,11 +202,15 @@ class _Waiting:
 class WarmWorkers:
     """One waiting interpreter per local rank, each used at most once."""
 
-    def __init__(self, nproc: int, env: Mapping[str, str]) -> None:
+    def __init__(self, nproc: int, env: Mapping[str, str], command: Sequence[str]) -> None:
+        """Start ``nproc`` interpreters with ``env`` for workers that run ``command``
+        (``<this python> -u script args...`` or ``... -u -m module args...``)."""
+        if parse_command(command) is None:
+            raise ValueError(f"not a command a warm interpreter can run: {list(command)!r}")
         self._waiting: dict[int, _Waiting] = {}
         for local_rank in range(nproc):
             try:
-                self._waiting[local_rank] = _Waiting(env)
+                self._waiting[local_rank] = _Waiting(env, [str(c) for c in command])
             except OSError as exc:  # no interpreter: the workers start cold
                 log.warning("cannot start a warm worker interpreter: %s", exc)
                 break
@@ -227,6 +235,8 @@ class WarmWorkers:
         reason = ""
         if command is None:
             reason = f"the command {list(args[:3])!r} is not '{sys.executable} -u ...'"
+        elif tuple(args) != waiting.command:
+            reason = "the command differs from the one the interpreter was started for"
         elif differences:
             reason = f"{', '.join(differences)} differ from the interpreter's start"
         elif waiting.proc.poll() is not None:
@@ -264,17 +274,25 @@ def _umask() -> int:
     return mask
 
 
-def start(config: ElasticConfig, environ: Mapping[str, str]) -> WarmWorkers | None:
+def start(
+    config: ElasticConfig,
+    environ: Mapping[str, str],
+    entrypoint: str,
+    args: Sequence[str],
+    module: bool,
+) -> WarmWorkers | None:
     """The agent's waiting interpreters, one per local rank (None: ``worker_start: cold``).
 
     They start with ``environ`` and the workers' thread count (which ``import torch``
     reads); the agent's other additions to its workers' environment are read later.
+    ``entrypoint``, ``args``, ``module``: the workers' script, as the agent got it.
     """
     if config.worker_start != "warm":
         return None
     slurm = SlurmEnv.from_environ(environ)
     env = {**environ, **thread_environment(config, slurm, environ)}
-    return WarmWorkers(config.nproc_per_node or 1, env)
+    cmd, cmd_args = python_entrypoint(entrypoint, args, module)
+    return WarmWorkers(config.nproc_per_node or 1, env, (cmd, *cmd_args))
 
 
 # -- the waiting side ------------------------------------------------------------------------

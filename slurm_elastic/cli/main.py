@@ -135,7 +135,7 @@ def _cmd_agent(ns: argparse.Namespace) -> int:
     # The workers' interpreters import torch while this one does and joins the rendezvous.
     from slurm_elastic.agent import warm_workers
 
-    warm = warm_workers.start(config, os.environ)
+    warm = warm_workers.start(config, os.environ, ns.entrypoint, ns.args, ns.module)
     try:
         from slurm_elastic.agent import rendezvous_parameters, run_agent
 

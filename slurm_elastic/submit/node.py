@@ -31,7 +31,8 @@ def run_spec(spec_path: str | os.PathLike[str]) -> int:
     from slurm_elastic.config import load_config
 
     config = load_config(None, environ=os.environ, overrides=spec["overrides"])
-    warm = warm_workers.start(config, os.environ)  # before this process imports torch
+    # before this process imports torch
+    warm = warm_workers.start(config, os.environ, spec["entrypoint"], spec["args"], spec["module"])
     try:
         from slurm_elastic.agent import run_agent
 

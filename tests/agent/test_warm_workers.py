@@ -65,6 +65,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _warm(nproc: int, *args: str, **env: str) -> WarmWorkers:
+    """Interpreters for workers that run ``<this python> *args``."""
+    return WarmWorkers(nproc, _env(**env), (sys.executable, *args))
+
+
 def _start(
     tmp: Path, name: str, args: tuple, warm: WarmWorkers | None, nproc: int = 2
 ) -> mp_api.PContext:
@@ -100,7 +105,7 @@ def probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_warm_worker_sees_what_a_cold_one_sees(tmp_path: Path, probe: Path) -> None:
     cold = _reports(_start(tmp_path, "cold", ("-u", str(probe), "a b", "c"), None))
-    warm = WarmWorkers(2, _env())
+    warm = _warm(2, "-u", str(probe), "a b", "c")
     pids = warm.pids()
     try:
         pc = _start(tmp_path, "warm", ("-u", str(probe), "a b", "c"), warm)
@@ -122,7 +127,7 @@ def test_a_module_entrypoint_runs_warm_as_python_m_would(
 ) -> None:
     monkeypatch.chdir(probe.parent)  # python -m finds modules in the working directory
     cold = _reports(_start(tmp_path, "cold", ("-u", "-m", "probe", "x"), None))
-    warm = WarmWorkers(2, _env())
+    warm = _warm(2, "-u", "-m", "probe", "x")
     try:
         hot = _reports(_start(tmp_path, "warm", ("-u", "-m", "probe", "x"), warm))
     finally:
@@ -138,7 +143,7 @@ def test_a_module_entrypoint_runs_warm_as_python_m_would(
 def test_torch_sees_a_warm_workers_exit_status_and_stops_it_like_a_cold_one(
     tmp_path: Path, probe: Path
 ) -> None:
-    warm, second = WarmWorkers(1, _env()), WarmWorkers(1, _env())
+    warm, second = _warm(1, "-u", str(probe), "fail"), _warm(1, "-u", str(probe), "hang")
     try:
         failed = _reports(_start(tmp_path, "fail", ("-u", str(probe), "fail"), warm, 1), 7)
         assert failed[0]["preloaded"]
@@ -166,7 +171,7 @@ def test_a_notice_to_every_process_does_not_end_a_waiting_interpreter(
 ) -> None:
     """``scancel --signal=USR2`` without ``--batch`` reaches every process of the step: the
     waiting interpreter ignores it (the agent acts on it); its worker has the default."""
-    warm = WarmWorkers(1, _env())
+    warm = _warm(1, "-u", str(probe))
     (pid,) = warm.pids()
     try:
         wait_for(lambda: _ignores(pid, signal.SIGUSR2), 60, "the interpreter to ignore USR2")
@@ -192,7 +197,7 @@ def test_a_changed_import_time_variable_starts_the_worker_cold(
     tmp_path: Path, probe: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="slurm_elastic.agent.warm_workers")
-    warm = WarmWorkers(2, _env(PYTHONHASHSEED="1"))  # the agent's env has none
+    warm = _warm(2, "-u", str(probe), "a", PYTHONHASHSEED="1")  # the agent's env has none
     pids = warm.pids()
     pc = _start(tmp_path, "changed", ("-u", str(probe), "a"), warm)
     reports = _reports(pc)
@@ -201,6 +206,25 @@ def test_a_changed_import_time_variable_starts_the_worker_cold(
     assert "PYTHONHASHSEED differ from the interpreter's start" in caplog.text
     for pid in pids:  # the unusable interpreters are not left behind
         assert _gone(pid)
+
+
+def test_a_waiting_interpreter_shows_the_workers_command_and_serves_only_it(
+    tmp_path: Path, probe: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="slurm_elastic.agent.warm_workers")
+    warm = _warm(1, "-u", str(probe), "planned")
+    (pid,) = warm.pids()
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert [c.decode() for c in cmdline[-3:-1]] == [str(probe), "planned"]  # ps, pgrep -f
+        pc = _start(tmp_path, "other", ("-u", str(probe), "other"), warm, nproc=1)
+        assert pc.pids()[0] != pid and not _reports(pc)[0]["preloaded"]
+        assert "the command differs from the one the interpreter was started for" in caplog.text
+        assert _gone(pid)
+    finally:
+        warm.close()
+    with pytest.raises(ValueError, match="not a command a warm interpreter can run"):
+        WarmWorkers(1, _env(), ("numactl", sys.executable, "-u", "t.py"))
 
 
 def test_a_command_other_than_python_u_starts_cold() -> None:
@@ -237,7 +261,7 @@ def test_the_start_message_is_json_and_checked() -> None:
 
 
 def test_unused_interpreters_exit_when_the_agent_closes_them_or_dies(tmp_path: Path) -> None:
-    warm = WarmWorkers(1, _env())
+    warm = _warm(1, "-u", "t.py")
     (pid,) = warm.pids()
     warm.close()
     assert _gone(pid)
@@ -245,7 +269,8 @@ def test_unused_interpreters_exit_when_the_agent_closes_them_or_dies(tmp_path: P
     # end-of-file once torch is imported, and exits.
     code = (
         "import os, sys; from slurm_elastic.agent.warm_workers import WarmWorkers\n"
-        "w = WarmWorkers(1, dict(os.environ)); print(w.pids()[0], flush=True); os._exit(9)"
+        "w = WarmWorkers(1, dict(os.environ), (sys.executable, '-u', 't.py'))\n"
+        "print(w.pids()[0], flush=True); os._exit(9)"
     )
     agent = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
