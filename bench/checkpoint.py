@@ -25,6 +25,17 @@ Cases per state size (default 8, 64, 1024 MiB; ``--quick``: 8 and 32 MiB):
                          (``posix_fadvise(DONTNEED)``). Target >= 0.8.
 * ``load_copy_vs_raw``   the same with ``load(..., mmap=False)`` (what NFS gets: the file
                          read once into fresh memory, CRC computed alongside). Target >= 0.8.
+* ``save_vs_safetensors`` / ``load_vs_safetensors``: why our own container and not
+                         safetensors (a well-kept library with the same layout: a JSON
+                         header, then raw tensor bytes). The state is a training state
+                         (the model's parameters and its Adam state, nested, with integer
+                         keys and plain values), as checkpoints hold it. The baseline does
+                         what a user of safetensors must for it: flatten the tree to
+                         ``name -> tensor`` with the rest as JSON metadata, ``save_file``,
+                         fsync, rename, fsync the directory; ``load_file`` (cold cache) and
+                         rebuild the tree. It verifies nothing (no checksum); ours CRCs every
+                         byte both ways. Target: ratio >= 0.9 (not slower than the library
+                         that skips the checksum, within noise).
 
 Fairness: every timed operation starts after ``os.sync()`` (no dirty pages or pending
 journal commits from the previous case), and removing what a case wrote happens outside
@@ -49,6 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -109,6 +121,130 @@ def torch_save_fsync(state: object, directory: Path) -> None:
         os.fsync(fh.fileno())
     os.rename(tmp, final)
     fsync_dir(directory)
+
+
+def _flatten(tree: object, flat: dict[str, torch.Tensor]) -> object:
+    """``tree`` as JSON with each tensor replaced by its name in ``flat``."""
+    if isinstance(tree, torch.Tensor):
+        name = f"t{len(flat)}"
+        flat[name] = tree
+        return {"T": name}
+    if isinstance(tree, dict):
+        return {"d": [[_flatten(k, flat), _flatten(v, flat)] for k, v in tree.items()]}
+    if isinstance(tree, (list, tuple)):
+        return {"l": [_flatten(v, flat) for v in tree]}
+    return tree
+
+
+def _unflatten(node: object, flat: dict[str, torch.Tensor]) -> object:
+    if isinstance(node, dict):
+        if "T" in node:
+            return flat[node["T"]]
+        if "d" in node:
+            return {_unflatten(k, flat): _unflatten(v, flat) for k, v in node["d"]}
+        return [_unflatten(v, flat) for v in node["l"]]
+    return node
+
+
+def safetensors_save(state: object, directory: Path) -> None:
+    """The safetensors baseline: flatten, save_file, fsync, rename, fsync the directory."""
+    from safetensors.torch import save_file
+
+    flat: dict[str, torch.Tensor] = {}
+    skeleton = json.dumps(_flatten(state, flat))
+    tmp, final = directory / "state.safetensors.tmp", directory / "state.safetensors"
+    save_file(flat, str(tmp), metadata={"tree": skeleton})
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, final)
+    fsync_dir(directory)
+
+
+def safetensors_load(path: Path) -> object:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        skeleton = json.loads(fh.metadata()["tree"])
+    return _unflatten(skeleton, load_file(str(path)))
+
+
+def run_format(nbytes: int, root: Path, repeat: int) -> list[dict[str, object]]:
+    """Our container against safetensors on a training state of ``nbytes`` in total."""
+    model = make_model(nbytes // 3, "cpu")  # parameters + Adam's two moments
+    opt = torch.optim.Adam(model.parameters(), lr=1e-9)
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": {"step": 1}}
+    size_mib = state_mib(state)
+    d = root / f"format{round(size_mib)}"
+    (d / "st").mkdir(parents=True)
+    mgr = CheckpointManager(d / "ours", keep_last=None)
+    step = [0]
+
+    def ours_save() -> None:
+        step[0] += 1
+        mgr.save(state, step[0])
+
+    def cleanup() -> None:
+        for info in mgr.list_checkpoints()[:-1]:
+            shutil.rmtree(info.path)
+        os.sync()
+
+    t = interleaved({"ours": ours_save, "st": lambda: safetensors_save(state, d / "st")},
+                    cleanup, repeat)  # fmt: skip
+    rows = [("save_vs_safetensors", size_mib / t["ours"], size_mib / t["st"], ">=", 0.9, "MiB/s")]
+    latest = mgr.list_checkpoints()[-1]
+    st_file = d / "st" / "state.safetensors"
+
+    def drop() -> None:
+        drop_cache(latest.path)
+        drop_cache(st_file)
+
+    drop()
+    t = interleaved(
+        {"ours": lambda: mgr.load(latest.step), "st": lambda: safetensors_load(st_file)},
+        drop,
+        repeat,
+    )
+    rows.append(
+        ("load_vs_safetensors", size_mib / t["ours"], size_mib / t["st"], ">=", 0.9, "MiB/s")
+    )
+    mgr.close()
+    shutil.rmtree(d)
+    return [
+        {
+            "bench": "checkpoint",
+            "case": case,
+            "device": "cpu",
+            "size_mib": round(size_mib),
+            "ours": round(ours, 4),
+            "baseline": round(base, 4),
+            "unit": unit,
+            "ratio": round(ours / base, 3),
+            "target": f"{op} {target}",
+            "ok": ours / base >= target,
+            "baseline_name": f"safetensors {version('safetensors')}",
+        }
+        for case, ours, base, op, target, unit in rows
+    ]
+
+
+def state_mib(state: object) -> float:
+    total = 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total / MiB
 
 
 def raw_read(path: Path) -> None:
@@ -300,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for size in sizes:
             results.extend(run_size(size * MiB, root, args.repeat, args.device, args.batch))
+            if args.device == "cpu":
+                results.extend(run_format(size * MiB, root, args.repeat))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(

@@ -43,7 +43,7 @@ class RequeueTrainer(submitit.helpers.Checkpointable):
         import train_ddp
 
         from slurm_elastic import ledger
-        from slurm_elastic.checkpoint.sampler import rank_share
+        from slurm_elastic.training.sampler import rank_share
 
         o = self.opts
         torch.set_num_threads(1)

@@ -129,7 +129,7 @@ if [[ $second == 1 ]]; then
         --ignore=tests/checkpoint/test_hostile.py --ignore=tests/checkpoint/test_faults.py \
         --ignore=tests/agent/test_private_dirs.py --ignore=tests/agent/test_node_dirs.py \
         --ignore=tests/rendezvous/test_partition.py \
-        tests/rendezvous tests/agent tests/live tests/checkpoint || rc=$?
+        tests/rendezvous tests/agent tests/live tests/checkpoint tests/training || rc=$?
     PATH=$VENV2/bin:$PATH "$PY2" -m pytest --durations=10 \
         tests/rendezvous/test_torchrun.py \
         tests/live/test_in_place.py::test_join_in_place_keeps_workers_and_loses_no_step \

@@ -52,10 +52,10 @@ from slurm_elastic.checkpoint.manager import (
     CheckpointManager,
     LoadedCheckpoint,
 )
-from slurm_elastic.checkpoint.policy import BatchPlan, loss_scale, micro_batches, plan_batches
-from slurm_elastic.checkpoint.sampler import ElasticSampler, StepSlice
 from slurm_elastic.checkpoint.trust import UntrustedCheckpointError
 from slurm_elastic.errors import CheckpointReadError, ForeignRunError
+from slurm_elastic.training.policy import BatchPlan, loss_scale, micro_batches, plan_batches
+from slurm_elastic.training.sampler import ElasticSampler, StepSlice
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",

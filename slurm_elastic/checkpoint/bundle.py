@@ -1,13 +1,11 @@
-"""The training-state bundle: everything an exact resume needs, in one tree.
+"""A :class:`~slurm_elastic.training.TrainingState` as a checkpoint bundle, and back.
 
-``training_state(...)`` builds it, ``restore_training_state(...)`` puts it back. Keys::
+``training_state(...)`` builds the bundle, ``restore_training_state(...)`` puts it back.
+The bundle is the training state's one layout (``model``, ``optimizer``, ``scheduler``,
+``stateful``, ``progress``: :mod:`slurm_elastic.training.state`) plus what only a
+checkpoint needs::
 
-    model        model.state_dict() (a DDP/FSDP wrapper's ``.module`` is unwrapped)
-    optimizer    optimizer.state_dict()            (if given)
-    scheduler    lr_scheduler.state_dict()         (if given)
-    stateful     {name: obj.state_dict()} of any other registered objects (a second
-                 optimizer, a GradScaler, an EMA model, ...; if given)
-    progress     {step, epoch, sample_offset, world_size, global_batch_size}
+    progress     also {world_size, global_batch_size} at save time
     rng          one entry per rank: torch CPU, CUDA (if initialized), Python, NumPy (if imported)
     extra        anything small and JSON-like the user adds
 
@@ -17,12 +15,13 @@ them when a process group is up, so every rank must call it). On resume with the
 size each rank gets its own RNG state back (bitwise-exact resume); with a different world
 size rank ``r`` gets the state of saved rank ``r % saved_world_size``: per-rank random
 streams cannot be preserved across a resize, this keeps them reproducible.
+
+A bundle is checked against the live objects (keys, shapes, dtypes, optimizer groups)
+before anything is loaded, so one that does not fit changes nothing.
 """
 
 from __future__ import annotations
 
-import random
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,19 +30,17 @@ import torch
 
 from slurm_elastic.checkpoint import exchange
 from slurm_elastic.errors import CheckpointMismatchError
+from slurm_elastic.training.state import TrainingState, capture_rng, restore_rng
 
 __all__ = [
     "ResumeInfo",
     "capture_rng",
     "restore_rng",
+    "restore_state",
     "restore_training_state",
+    "state_bundle",
     "training_state",
 ]
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def _dist() -> tuple[int, int]:
@@ -51,49 +48,6 @@ def _dist() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states as plain values/tensors (weights-only loadable)."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "name": str(name),
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Restore states captured by :func:`capture_rng` (missing parts are left alone)."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        s = state["numpy"]
-        np.random.set_state(
-            (
-                s["name"],
-                s["keys"].numpy().astype("uint32"),
-                s["pos"],
-                s["has_gauss"],
-                s["cached_gaussian"],
-            )
-        )
 
 
 def training_state(
@@ -125,28 +79,31 @@ def training_state(
         The bundle; pass it to :meth:`CheckpointManager.save` right away (it references
         live tensors; an async save copies them before returning).
     """
+    state = TrainingState(
+        model, optimizer, scheduler, stateful=stateful,
+        step=step, epoch=epoch, sample_offset=sample_offset,
+    )  # fmt: skip
+    return state_bundle(state, global_batch_size=global_batch_size, extra=extra)
+
+
+def state_bundle(
+    state: TrainingState,
+    *,
+    global_batch_size: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A training state as a checkpoint bundle (collective under a process group).
+
+    ``state.progress`` must hold ``step``, ``epoch`` and ``sample_offset``.
+    """
     _, world = _dist()
     rng: list[dict[str, Any]] = [capture_rng()]
     if world > 1:  # tensors and plain values, never a pickle from a peer
         rng = exchange.all_gather(rng[0])
-    bundle: dict[str, Any] = {
-        "model": _unwrap(model).state_dict(),
-        "progress": {
-            "step": step,
-            "epoch": epoch,
-            "sample_offset": sample_offset,
-            "world_size": world,
-            "global_batch_size": global_batch_size,
-        },
-        "rng": rng,
-        "extra": dict(extra or {}),
-    }
-    if optimizer is not None:
-        bundle["optimizer"] = optimizer.state_dict()
-    if scheduler is not None:
-        bundle["scheduler"] = scheduler.state_dict()
-    if stateful:
-        bundle["stateful"] = {name: obj.state_dict() for name, obj in stateful.items()}
+    bundle = state.state_dict()
+    bundle["progress"].update(world_size=world, global_batch_size=global_batch_size)
+    bundle["rng"] = rng
+    bundle["extra"] = dict(extra or {})
     return bundle
 
 
@@ -194,36 +151,39 @@ def restore_training_state(
         CheckpointMismatchError: missing/unexpected keys or shapes, an optimizer with
             different parameter groups, or a bundle without the expected parts.
     """
-    try:
-        progress = bundle["progress"]
-        model_state = bundle["model"]
-    except (KeyError, TypeError) as exc:
+    state = TrainingState(
+        model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, sample_offset=0
+    )
+    return restore_state(bundle, state, source=source, restore_rng_states=restore_rng_states)
+
+
+def restore_state(
+    bundle: Any,
+    state: TrainingState,
+    *,
+    source: object = "checkpoint",
+    restore_rng_states: bool = True,
+) -> ResumeInfo:
+    """Load a bundle into a training state, its progress counters included.
+
+    The bundle is checked against the state first (:meth:`TrainingState.check`): one that
+    does not fit raises before anything is loaded. See :func:`restore_training_state`.
+
+    Raises:
+        CheckpointMismatchError: names the checkpoint, the part and the difference.
+    """
+    if not isinstance(bundle, Mapping) or not {"model", "progress"} <= set(bundle):
+        missing = sorted({"model", "progress"} - set(bundle)) if isinstance(bundle, Mapping) else []
         raise CheckpointMismatchError(
-            f"{source} is not a training_state() bundle (missing {exc}); save with "
-            "slurm_elastic.checkpoint.training_state(...)"
-        ) from exc
-    try:
-        _unwrap(model).load_state_dict(model_state, strict=True)
-    except RuntimeError as exc:
-        raise CheckpointMismatchError(
-            f"{source} does not match the model: {exc}; build the same architecture as "
-            "the run that saved it (or start a new checkpoint directory)"
-        ) from exc
-    if optimizer is not None:
-        if "optimizer" not in bundle:
-            raise CheckpointMismatchError(f"{source} holds no optimizer state")
-        try:
-            optimizer.load_state_dict(bundle["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointMismatchError(
-                f"{source} optimizer state does not match the optimizer: {exc}"
-            ) from exc
-    if scheduler is not None:
-        if "scheduler" not in bundle:
-            raise CheckpointMismatchError(f"{source} holds no LR scheduler state")
-        scheduler.load_state_dict(bundle["scheduler"])
-    if stateful:
-        _restore_stateful(bundle, stateful, source)
+            f"{source} is not a training_state() bundle (missing {missing or 'everything'}); "
+            "save with slurm_elastic.checkpoint.training_state(...)"
+        )
+    progress = bundle["progress"]
+    state.check(bundle, _refusal(source, bundle), exact=False)
+    try:  # checked: what is left to fail is a value inside a part
+        state.load_state_dict(bundle, copy_tensors=False)
+    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+        raise CheckpointMismatchError(f"{source} does not load: {exc}") from exc
     rank, world = _dist()
     rng = bundle.get("rng") or []
     if restore_rng_states and rng:
@@ -239,23 +199,24 @@ def restore_training_state(
     )
 
 
-def _restore_stateful(bundle: dict[str, Any], stateful: Mapping[str, Any], source: object) -> None:
-    """Load the bundle's ``stateful`` entries into the objects registered under their names.
+def _refusal(source: object, bundle: Mapping[str, Any]) -> Any:
+    """The error for a part of ``bundle`` that does not fit, with the fix for each part."""
 
-    Raises:
-        CheckpointMismatchError: a name has no saved state, or its state does not fit.
-    """
-    saved = bundle.get("stateful")
-    missing = sorted(set(stateful) - set(saved or {}))
-    if not isinstance(saved, dict) or missing:
-        raise CheckpointMismatchError(
-            f"{source} holds no state for {missing or sorted(stateful)}; it was saved "
-            "without them (register the same objects as the run that saved it)"
+    def refuse(where: str, why: str) -> CheckpointMismatchError:
+        if where == "parts":
+            missing = sorted({"optimizer", "scheduler", "stateful"} - set(bundle))
+            return CheckpointMismatchError(
+                f"{source} holds no state for {missing}: it was saved without them "
+                "(register the same objects as the run that saved it)"
+            )
+        if where.startswith("model"):
+            return CheckpointMismatchError(
+                f"{source} does not match the model: {where}: {why}; build the same "
+                "architecture as the run that saved it (or start a new checkpoint directory)"
+            )
+        return CheckpointMismatchError(
+            f"{source}: {where} does not match: {why}; register the same objects as the "
+            "run that saved it"
         )
-    for name, obj in stateful.items():
-        try:
-            obj.load_state_dict(saved[name])
-        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-            raise CheckpointMismatchError(
-                f"{source} state of {name!r} does not match: {exc}"
-            ) from exc
+
+    return refuse

@@ -20,26 +20,21 @@ lists, dicts with non-``str`` keys)::
     {"v": "cuda:0"}  torch.device
 
 ``None``, ``bool``, ``int``, ``float`` (NaN/inf included) and ``str`` are themselves.
-Anything else raises :class:`~slurm_elastic.errors.UnsupportedStateError` (the serializer
-then falls back to ``torch.save``). Tensors that are the same view of the same memory are stored once (tied
-weights stay tied); other storage sharing is not preserved (each view is stored
-contiguous).
+Anything else raises :class:`~slurm_elastic.errors.UnsupportedStateError`. Tensors that are
+the same view of the same memory are stored once (tied weights stay tied); other storage
+sharing is not preserved (each view is stored contiguous).
 
 Writing: the segments (header, padding, each tensor's memory as it is, no copy) go out
 with ``os.writev`` in 16 MiB pieces, each CRCed just before it is written (ISA-L's CRC32
-releases the GIL); the commit fsyncs.
-Reading: the whole file is read into one buffer (huge pages) or mapped, each chunk CRCed
-as it arrives while the kernel reads ahead; only when the CRC and size match the manifest
-record is the header
-parsed; every tensor then has its own storage inside that buffer (no copy), which the
-buffer outlives.
+releases the GIL); the commit fsyncs. Reading: the whole file is read into one buffer
+(huge pages) or mapped, each chunk CRCed as it arrives while the kernel reads ahead; only
+when the CRC and size match the manifest record is the header parsed; every tensor then
+has its own storage inside that buffer (no copy), which the buffer outlives.
 
-Damage vs environment: only this format's evidence (the size, the CRC32, a header or tree
-this writer never produces) raises :class:`~slurm_elastic.errors.CheckpointCorruptError`;
-an I/O or memory error while reading raises
-:class:`~slurm_elastic.checkpoint.trust.CheckpointReadError` (the file is intact and stays).
-The reader returns CPU tensors: moving them to a device is the serializer's, after the
-parse (a device missing on this node is not damage either).
+Damage vs environment: only this format's evidence (size, CRC32, a header or tree this
+writer never produces) is ``CheckpointCorruptError``; an I/O or memory error is
+``CheckpointReadError`` (the file stays). The reader returns CPU tensors (placing them is
+the serializer's job; a device missing on this node is not damage either).
 """
 
 from __future__ import annotations
@@ -70,6 +65,7 @@ __all__ = [
     "Parsed",
     "Unsupported",
     "UnsupportedStateError",
+    "check_encodable",
     "check_records",
     "decode_tree",
     "encode",
@@ -129,7 +125,8 @@ def _align(n: int, a: int) -> int:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, *, check_only: bool = False) -> None:
+        self.check_only = check_only  # refuse what is not storable; read no tensor byte
         self.tensors: list[torch.Tensor] = []  # flat uint8 views of the data
         self.records: list[dict[str, Any]] = []
         self._ids: dict[tuple[Any, ...], int] = {}
@@ -140,6 +137,8 @@ class _Encoder:
             raise UnsupportedStateError(f"{where}: a {type(t).__name__} with layout {t.layout}")
         if t.is_quantized or t.dtype not in _NAME_OF_DTYPE or t.device.type not in _DEVICE_TYPES:
             raise UnsupportedStateError(f"{where}: a tensor of dtype {t.dtype} on {t.device}")
+        if self.check_only:
+            return -1
         key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.data_ptr() != 0 and key in self._ids:
             return self._ids[key]
@@ -216,6 +215,11 @@ def encode_tree(state: Any) -> tuple[Any, list[dict[str, Any]], list[torch.Tenso
     enc = _Encoder()
     tree = enc.tree(state, "state")
     return tree, enc.records, enc.tensors
+
+
+def check_encodable(state: Any) -> None:
+    """Raise :class:`UnsupportedStateError` where :func:`encode` would (reads no data)."""
+    _Encoder(check_only=True).tree(state, "state")
 
 
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:

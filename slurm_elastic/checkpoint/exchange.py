@@ -24,7 +24,7 @@ import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from slurm_elastic.checkpoint.container import (
     encode_tree,
 )
 from slurm_elastic.errors import CheckpointCorruptError, StateExchangeError, UnsupportedStateError
+from slurm_elastic.training.state import TensorSpec
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -53,13 +54,6 @@ _MAX_HEADER = 64 << 20
 _ALIGN = 64
 _BLOB = struct.Struct("<8sQQ")
 _BLOB_MAGIC = b"SLEWIRE1"
-
-
-class TensorSpec(NamedTuple):
-    """What a received tensor will be, shown to a ``check`` before its bytes arrive."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 def _device(group: Any) -> torch.device:

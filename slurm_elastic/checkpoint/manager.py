@@ -18,7 +18,6 @@ of a node's problem). Checkpoints are bound to their run (``run_id``, by default
 from __future__ import annotations
 
 import builtins
-import errno
 import logging
 import os
 import time
@@ -33,7 +32,13 @@ from slurm_elastic import events
 from slurm_elastic.checkpoint import _faults, exchange
 from slurm_elastic.checkpoint.manifest import Manifest
 from slurm_elastic.checkpoint.saver import AsyncSaver, CheckpointFlushTimeout
-from slurm_elastic.checkpoint.serializer import STATE_FILE, check_device, read_state, write_state
+from slurm_elastic.checkpoint.serializer import (
+    STATE_FILE,
+    check_device,
+    check_storable,
+    read_state,
+    write_state,
+)
 from slurm_elastic.checkpoint.store import (
     REPLACED_PREFIX,
     TMP_PREFIX,
@@ -42,6 +47,7 @@ from slurm_elastic.checkpoint.store import (
     checked_metadata,
     checked_step,
 )
+from slurm_elastic.checkpoint.transaction import SaveTransaction, describe_os_error, newest
 from slurm_elastic.checkpoint.trust import (
     CheckpointReadError,
     ForeignRunError,
@@ -109,37 +115,6 @@ def failure_of(message: Any) -> CheckpointError | None:
     return _FAILURES.get(str(name), CheckpointError)(str(text))
 
 
-def describe_os_error(
-    exc: OSError, path: Path, action: str, *, leftover: Path | None = None
-) -> str:
-    """Return a message naming the path, the cause and the fix for a failed write.
-
-    ``leftover``: a temporary that could not be removed; the message names it.
-    """
-    code = exc.errno
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        hint = (
-            "no space left on the filesystem (or quota exceeded): free space there (for "
-            "example remove old step_* checkpoints you no longer need) or point the "
-            "checkpoint directory at a larger filesystem"
-        )
-        try:
-            vfs = os.statvfs(path.parent)
-            hint += f"; {vfs.f_bavail * vfs.f_frsize} bytes are free"
-        except OSError:
-            pass
-    elif code in (errno.EACCES, errno.EPERM):
-        hint = "permission denied: make the directory writable by this user"
-    elif code == errno.EROFS:
-        hint = "the filesystem is mounted read-only: choose a writable checkpoint directory"
-    else:
-        hint = os.strerror(code) if code else str(exc)
-    message = f"cannot {action} {path}: {hint} ({exc}); previous checkpoints are intact"
-    if leftover is not None:
-        message += f"; the partial temporary {leftover} could not be removed: remove it by hand"
-    return message
-
-
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -158,8 +133,11 @@ class CheckpointManager:
         keep_last: keep this many newest checkpoints (``None``: keep all).
         keep_every: additionally keep every checkpoint whose step is a multiple of this.
         rank: this process's rank (default: torch.distributed, else ``$RANK``, else 0).
-        weights_only: passed to ``torch.load``; the default ``True`` refuses arbitrary
-            pickled objects (loading a checkpoint then cannot run code).
+        weights_only: passed to ``torch.load`` for ``state.pt`` files of earlier versions;
+            the default ``True`` refuses arbitrary pickled objects (loading a checkpoint
+            then cannot run code), and a state the pickle-free format cannot hold (a custom
+            object) is refused at save. ``False`` opts into pickle: such a state is written
+            with ``torch.save`` (``state.pt``) and loads only with ``weights_only=False``.
         run_id: the run these checkpoints belong to: recorded in every manifest; loading,
             saving or pruning in a directory holding another run's checkpoints raises
             :class:`~slurm_elastic.checkpoint.trust.ForeignRunError`. ``None`` (default):
@@ -279,6 +257,8 @@ class CheckpointManager:
         if blocking:
             return self._write(state, step, meta, time.perf_counter(), None)
         start = time.perf_counter()
+        if self.weights_only:  # at the call, not at the next save: the write would refuse it
+            check_storable(state)
         stall = self._saver.submit(
             state, lambda staged, ready: self._write(staged, step, meta, start, ready)
         )
@@ -333,63 +313,18 @@ class CheckpointManager:
         start: float,
         ready: Callable[[], Callable[[], float]] | None,
     ) -> Path:
-        store = self.store
-        tmp = store.directory / "(not created)"
-        action = "create checkpoint directory"
         stall_of: Callable[[], float] | None = None
-        try:
-            if ready is not None:
+        if ready is not None:
+            try:
                 stall_of = ready()  # the staged copies have landed, unchanged
-            tmp = store.begin(step)
+            except CheckpointWriteError as exc:
+                raise SaveTransaction(self.store, step, "replicated").abort(exc) from None
+        with SaveTransaction.begin(self.store, step, "replicated", started=start) as txn:
             _faults.point("after_mkdir")
-            action = "write checkpoint data"
-            record = write_state(state, tmp)
-            manifest = Manifest(
-                step=step,
-                kind="replicated",
-                world_size=_dist_rank_world()[1],
-                files=(record,),
-                metadata=metadata,
-                run=store.run_id,
-            )
-            action = "commit checkpoint"
-            final = store.commit(tmp, manifest)
-        except OSError as exc:
-            leftover = store.discard(tmp)
-            message = describe_os_error(exc, tmp, action, leftover=leftover)
-            log.error("%s", message)
-            events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=str(exc)))
-            raise CheckpointWriteError(message) from exc
-        except CheckpointWriteError as exc:
-            log.error("%s", exc)
-            store.discard(tmp)
-            events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=str(exc)))
-            raise
-        except BaseException:  # KeyboardInterrupt, SystemExit...: no partial leftovers
-            store.discard(tmp)
-            raise
-        seconds = time.perf_counter() - start
-        stall = seconds if stall_of is None else stall_of()
+            record = write_state(state, txn.tmp, allow_pickle=not self.weights_only)
+            final, _ = txn.commit((record,), _dist_rank_world()[1], metadata, stall_of=stall_of)
         self.last_saved = final
-        self.last_stall_seconds = stall
-        log.info(
-            "checkpoint step %d saved: %s (%d bytes, %.2f s, stall %.3f s)",
-            step,
-            final,
-            manifest.total_bytes,
-            seconds,
-            stall,
-        )
-        events.emit(
-            events.CheckpointSaved(
-                step=step,
-                path=str(final),
-                bytes=manifest.total_bytes,
-                seconds=seconds,
-                stall_seconds=stall,
-            )
-        )
-        store.apply_retention(step)
+        self.last_stall_seconds = txn.stall
         return final
 
     # ------------------------------------------------------------------ list
@@ -466,16 +401,7 @@ class CheckpointManager:
 
     def _load_newest(self, map_location: Any, mmap: bool | None) -> LoadedCheckpoint | None:
         check_device(map_location)  # a device missing here is the node's problem
-        self.store.recover()  # a re-save that died between its renames
-        self.store.warn_incomplete()
-        infos = self.list_checkpoints()
-        self.store.check_directory_run(infos)
-        for info in reversed(infos):
-            try:
-                return self.load(info.step, map_location, mmap=mmap)
-            except CheckpointCorruptError as exc:  # our format's evidence only
-                self.store.report_damaged(info, exc)
-        return None
+        return newest(self.store, lambda info: self.load(info.step, map_location, mmap=mmap))
 
     def load(
         self, step: int, map_location: Any = "cpu", *, mmap: bool | None = None

@@ -7,9 +7,10 @@ Two formats, told apart by the file name the manifest records:
   written straight from the tensors' memory with the CRC32 computed on a second thread.
   Loading cannot run code whatever ``weights_only`` says.
 * ``state.pt`` (:data:`TORCH_FILE`): one ``torch.save`` file, CRC32 computed inline.
-  Written only for states holding values the container does not store (any other Python
-  object); read for those and for checkpoints written by earlier versions. Verified
-  against its manifest record before ``torch.load`` sees any of it.
+  Read for checkpoints written by earlier versions. Written only for a manager that opted
+  into pickled checkpoints (``weights_only=False``) and a state holding values the
+  container does not store (any other Python object); by default such a state is refused
+  at save. Verified against its manifest record before ``torch.load`` sees any of it.
 
 Placement: the container is parsed into CPU tensors, then moved where ``map_location``
 says. A device this node lacks (``"cuda:0"`` without CUDA) or out of device memory is the
@@ -36,6 +37,7 @@ import torch
 
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.container import (
+    check_encodable,
     decode_tree,
     encode,
     read_container,
@@ -61,6 +63,7 @@ __all__ = [
     "TORCH_FILE",
     "ChecksumWriter",
     "check_device",
+    "check_storable",
     "read_state",
     "write_state",
 ]
@@ -156,17 +159,43 @@ def _without_zip_crc() -> Iterator[None]:
             torch.serialization.set_crc32_options(previous)
 
 
-def write_state(state: Any, directory: Path) -> FileRecord:
+def _not_storable(exc: UnsupportedStateError) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"the checkpoint state holds {exc}, which the checkpoint format (tensors, "
+        "containers and plain values, no pickle) does not store; save its plain state "
+        "instead (e.g. its state_dict(), or register it as a stateful object of "
+        "training_state()), or, if you trust every reader, pass weights_only=False to "
+        "CheckpointManager (then it is written with torch.save)"
+    )
+
+
+def check_storable(state: Any) -> None:
+    """Refuse, before anything is staged, a state the container cannot store.
+
+    Raises:
+        UnsupportedStateError: names the value and the fix.
+    """
+    try:
+        check_encodable(state)  # a walk of the tree; no tensor byte is read
+    except UnsupportedStateError as exc:
+        raise _not_storable(exc) from exc
+
+
+def write_state(state: Any, directory: Path, *, allow_pickle: bool = False) -> FileRecord:
     """Serialize ``state`` into ``directory`` (one data file); return its record.
 
     The container is not fsynced here (the store's commit fsyncs every file together);
     the ``torch.save`` fallback is.
 
     The container format (``state.bin``) when the state holds only tensors, containers and
-    plain values; otherwise ``torch.save`` (``state.pt``).
+    plain values. Anything else is refused, unless the caller opted into pickled
+    checkpoints (``allow_pickle``: a manager with ``weights_only=False``, which alone can
+    load them): then ``torch.save`` (``state.pt``).
 
     Raises:
         OSError: the write or the fsync failed (the caller names the path and the fix).
+        UnsupportedStateError: a value the container does not store, without
+            ``allow_pickle``; names the value and the fix.
         CheckpointWriteError: ``state`` cannot be serialized.
     """
     half = max(1, state_nbytes(state) // 2)
@@ -181,6 +210,8 @@ def write_state(state: Any, directory: Path) -> FileRecord:
     try:
         encoded: tuple[bytes, list[torch.Tensor]] | None = encode(state)
     except UnsupportedStateError as exc:
+        if not allow_pickle:
+            raise _not_storable(exc) from exc
         log.debug("state holds %s; writing it with torch.save", exc)
         encoded = None
     if encoded is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,16 +33,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from slurm_elastic import events
 from slurm_elastic.checkpoint import exchange
-from slurm_elastic.checkpoint.manager import (
-    CheckpointManager,
-    describe_os_error,
-    failure_message,
-    failure_of,
-)
+from slurm_elastic.checkpoint.manager import CheckpointManager, failure_message, failure_of
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
-from slurm_elastic.checkpoint.store import CheckpointStore, checked_metadata, checked_step
+from slurm_elastic.checkpoint.store import CheckpointInfo, checked_metadata, checked_step
+from slurm_elastic.checkpoint.transaction import SaveTransaction, describe_os_error, newest
 from slurm_elastic.checkpoint.trust import CheckedDir, read_error
-from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from slurm_elastic.errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -136,50 +131,30 @@ def save_sharded(
     rank, world = _require_pg()
     manager.flush()
     store = manager.store
-    start = time.perf_counter()
-    tmp_name, error = _begin(store, step) if rank == 0 else (None, None)
-    tmp_name = _broadcast(tmp_name)
-    tmp = store.directory / (tmp_name or "(not created)")
-    if tmp_name is not None:
-        error = _write(state_dict, tmp)
-    final: Path | None = None
-    manifest: Manifest | None = None
-    if rank == 0 and error is None:
+    txn: SaveTransaction | None = None
+    error: str | None = None
+    if rank == 0:
         try:
-            manifest = _manifest(tmp, step, world, meta, store.run_id)
-            final = store.commit(tmp, manifest)
-        except OSError as exc:
-            error = describe_os_error(exc, tmp, "commit sharded checkpoint")
-    _raise_if_any_failed(store, rank, step, tmp, tmp_name, error)
-    path = store.step_path(step)
-    if rank == 0 and final is not None and manifest is not None:
-        seconds = time.perf_counter() - start
-        log.info(
-            "sharded checkpoint step %d saved: %s (%d bytes)", step, final, manifest.total_bytes
-        )
-        events.emit(
-            events.CheckpointSaved(
-                step=step,
-                path=str(final),
-                bytes=manifest.total_bytes,
-                seconds=seconds,
-                format="sharded",
-            )
-        )
-        store.apply_retention(step)
+            txn = SaveTransaction.begin(store, step, "sharded")
+        except CheckpointError as exc:  # its CheckpointFailed is emitted
+            error = str(exc)
+    tmp_name = _broadcast(txn.tmp.name if txn is not None else None)
+    if tmp_name is not None:
+        error = _write(state_dict, store.directory / tmp_name)
+    errors = exchange.all_gather(error)  # every rank's write before the commit
+    first = next((str(e) for e in errors if e), None)
+    if txn is not None and first is None:
+        try:
+            txn.commit(_records(txn.tmp), world, meta)
+        except CheckpointWriteError as exc:  # the temporary is gone
+            first = str(exc)
+    elif txn is not None and first is not None:  # another rank's failure: the temporary goes
+        first = str(txn.abort(first))
+    first = _broadcast(first)  # rank 0's word: it knows every rank's failure
+    if first is not None:
+        raise CheckpointWriteError(str(first))
     dist.barrier()  # nobody loads before the commit
-    return path
-
-
-def _begin(store: CheckpointStore, step: int) -> tuple[str | None, str | None]:
-    """Rank 0: the save's temporary directory (0700; dead writers' leftovers removed
-    first), as ``(its name, None)``, or ``(None, why not)``."""
-    try:
-        return store.begin(step).name, None
-    except OSError as exc:
-        return None, describe_os_error(exc, store.directory, "create sharded checkpoint in")
-    except CheckpointError as exc:
-        return None, str(exc)
+    return store.step_path(step)
 
 
 def _write(state_dict: dict[str, Any], tmp: Path) -> str | None:
@@ -199,43 +174,12 @@ def _write(state_dict: dict[str, Any], tmp: Path) -> str | None:
     return None
 
 
-def _manifest(
-    tmp: Path, step: int, world: int, meta: Mapping[str, Any], run_id: str | None
-) -> Manifest:
-    """Rank 0: the manifest of the files DCP wrote (made ``0600`` first)."""
+def _records(tmp: Path) -> tuple[FileRecord, ...]:
+    """Rank 0: the records of the files DCP wrote (made ``0600`` first)."""
     paths = [p for p in sorted(tmp.iterdir()) if p.is_file()]
     for p in paths:
         os.chmod(p, 0o600)  # DCP creates files with the umask's mode
-    files = tuple(FileRecord(p.name, *crc32_file(p)) for p in paths)
-    return Manifest(step, "sharded", world, files, metadata=meta, run=run_id)
-
-
-def _raise_if_any_failed(
-    store: CheckpointStore,
-    rank: int,
-    step: int,
-    tmp: Path,
-    tmp_name: str | None,
-    error: str | None,
-) -> None:
-    """Collective: when any rank failed, rank 0 discards the temporary and every rank
-    raises the first failure.
-
-    Raises:
-        CheckpointWriteError: some rank failed.
-    """
-    errors = exchange.all_gather(error)
-    first = next((str(e) for e in errors if e), None)
-    if first is None:
-        return
-    leftover = None
-    if rank == 0 and tmp_name is not None:
-        leftover = store.discard(tmp)
-        events.emit(events.CheckpointFailed(step=step, path=str(tmp), error=first))
-    leftover = _broadcast(str(leftover) if leftover else None)
-    if leftover:
-        first += f"; the partial temporary {leftover} could not be removed: remove it by hand"
-    raise CheckpointWriteError(first)
+    return tuple(FileRecord(p.name, *crc32_file(p)) for p in paths)
 
 
 def load_sharded(
@@ -324,29 +268,20 @@ def _choose(
     """Rank 0: the newest verified sharded checkpoint (or ``step``), its fingerprint and
     its held directory (kept for the load: what was verified is what DCP reads)."""
     store = manager.store
-    store.recover()
-    store.warn_incomplete()
-    infos = store.list_checkpoints()
-    store.check_directory_run(infos)
-    for info in reversed([i for i in infos if step is None or i.step == step]):
-        held: CheckedDir | None = None
+
+    def read(info: CheckpointInfo) -> tuple[int, int, CheckedDir] | None:
+        held = store.open_checkpoint(info.step)  # a link raises: never read through
         try:
-            held = store.open_checkpoint(info.step)  # a link raises: never read through
             # every file (DCP's pickled .metadata included): owner, mode, CRC32, run,
             # before torch reads any of it
             manifest = store.verify(info.step, deep=True, at=held)
-        except CheckpointCorruptError as exc:
-            if held is not None:
-                held.close()
-            if step is not None:
-                raise
-            store.report_damaged(info, exc)
-            continue
         except BaseException:
-            if held is not None:
-                held.close()
+            held.close()
             raise
         if manifest.kind == "sharded":
             return info.step, _identity(manifest), held
         held.close()
-    return None, None, None
+        return None
+
+    found = newest(store, read, step=step)
+    return found if found is not None else (None, None, None)

@@ -236,8 +236,11 @@ class StagingRound:
         if help_copy:  # the training loop's wait (wait_staged), not the writer's
             self.guard_seconds += time.perf_counter() - start
 
-    def check(self) -> None:
+    def check(self, fix: str | None = None) -> None:
         """After :meth:`wait`: raise if a copy failed or a tensor changed while staged.
+
+        Args:
+            fix: what the error tells the user (default: the async checkpoint's).
 
         Raises:
             StagingConflict: naming the tensor and the fix; nothing may be written.
@@ -249,14 +252,16 @@ class StagingRound:
                 continue
             if entry.version_after != entry.version:
                 raise StagingConflict(
-                    f"tensor {_describe(entry.path)} was modified in place while the "
-                    "async checkpoint was being staged, so the copy may mix two steps; "
-                    "this checkpoint was not written (previous ones are intact). Modify "
-                    "state tensors only through torch.optim optimizers and forward passes, "
-                    "call CheckpointManager.wait_staged() before other in-place changes, "
-                    "or save with blocking=True"
+                    f"tensor {_describe(entry.path)} was modified in place while it was "
+                    "being copied, so the copy may mix two steps; " + (fix or _CHECKPOINT_FIX)
                 )
 
+
+_CHECKPOINT_FIX = (
+    "this checkpoint was not written (previous ones are intact). Modify state tensors only "
+    "through torch.optim optimizers and forward passes, call "
+    "CheckpointManager.wait_staged() before other in-place changes, or save with blocking=True"
+)
 
 # ---------------------------------------------------------------- global guard hooks
 _active: list[StagingRound] = []

@@ -1,11 +1,11 @@
 """The data position of a session: which samples each rank takes at each step.
 
 The position itself (the epoch, the global samples consumed in it) is held in the
-session's :class:`~slurm_elastic.live.state.ElasticState` counters, so it is committed,
+session's :class:`~slurm_elastic.live.state.ElasticState` progress, so it is committed,
 rolled back and sent to newcomers with the rest of the state. Here is what it means: the
-epoch's global sample order (:class:`~slurm_elastic.checkpoint.ElasticSampler`, which
+epoch's global sample order (:class:`~slurm_elastic.training.ElasticSampler`, which
 depends only on ``(seed, epoch)``) cut into global batches of a fixed size, and each
-rank's share of a batch for any world size (:func:`~slurm_elastic.checkpoint.sampler.
+rank's share of a batch for any world size (:func:`~slurm_elastic.training.sampler.
 rank_share`), so every sample is used exactly once per epoch whatever the world does.
 :class:`StepInfo` is one step's place: its samples, the epoch, and the world it ran in.
 """
@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from slurm_elastic.checkpoint import ElasticSampler
-from slurm_elastic.checkpoint.sampler import rank_share
+from slurm_elastic.training.sampler import ElasticSampler, rank_share
 
 __all__ = ["DataPosition", "StepInfo"]
 
@@ -54,7 +53,7 @@ class DataPosition:
     Args:
         dataset_size: samples per epoch.
         global_batch_size: samples per step over all ranks.
-        seed, shuffle, drop_last: as :class:`~slurm_elastic.checkpoint.ElasticSampler`.
+        seed, shuffle, drop_last: as :class:`~slurm_elastic.training.ElasticSampler`.
     """
 
     def __init__(

@@ -62,7 +62,7 @@ from torch import nn
 
 from slurm_elastic import events, notice
 from slurm_elastic.channel import NodeChannel
-from slurm_elastic.checkpoint import CheckpointManager, loss_scale
+from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.live import roster
 from slurm_elastic.live.boundary import Cadence, Departure, vote
 from slurm_elastic.live.checkpointing import resume_latest, to_bundle
@@ -70,6 +70,7 @@ from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel, sharded_parts
 from slurm_elastic.live.position import DataPosition, StepInfo
 from slurm_elastic.live.state import ElasticState
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
+from slurm_elastic.training.policy import loss_scale
 
 __all__ = ["ElasticSession", "StepInfo"]
 
@@ -234,7 +235,7 @@ class ElasticSession:
                 fsdp, model, optimizer, stateful, commit_every, async_commit
             )
         self.state = ElasticState(
-            model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, offset=0
+            model, optimizer, scheduler, stateful=stateful, step=0, epoch=0, sample_offset=0
         )
         # Whether an optimizer stepped inside the current ``with step():`` block: without
         # periodic commits, a failure after that counts the step as done (see _failed).
@@ -253,17 +254,17 @@ class ElasticSession:
     @property
     def step_count(self) -> int:
         """Optimizer steps done."""
-        return int(self.state.counters["step"])
+        return int(self.state.progress["step"])
 
     @property
     def epoch(self) -> int:
         """The current epoch."""
-        return int(self.state.counters["epoch"])
+        return int(self.state.progress["epoch"])
 
     @property
     def sample_offset(self) -> int:
         """Global samples consumed in the current epoch."""
-        return int(self.state.counters["offset"])
+        return int(self.state.progress["sample_offset"])
 
     @property
     def rank(self) -> int:
@@ -441,14 +442,14 @@ class ElasticSession:
         events.emit(events.TrainPreempted(step=self.step_count, rank=self.rank))
 
     def _advance(self, stop: int, on_epoch_end: Callable[[int], Any] | None) -> None:
-        counters = self.state.counters
-        counters["step"] += 1
-        counters["offset"] = stop
+        progress = self.state.progress
+        progress["step"] += 1
+        progress["sample_offset"] = stop
         if stop >= self.sampler.epoch_length:
             if on_epoch_end is not None:
                 on_epoch_end(self.epoch)
-            counters["epoch"] += 1
-            counters["offset"] = 0
+            progress["epoch"] += 1
+            progress["sample_offset"] = 0
             self.interrupted = True  # the loader of this epoch is done
         notice.report_progress(self.step_count)
         if self.rank == 0 and self.step_count % _PROGRESS_EVERY == 0:
@@ -593,8 +594,7 @@ def _process_group_backend(backend: str | None) -> str:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         # On a peer failure NCCL's watchdog aborts the communicator and the collective
-        # raises, without killing the process (1, torch's default, kills it): the
-        # survivors can then re-form. Unverified on hardware here: run
-        # bench/gpu_reform_check.py on a GPU machine.
+        # raises without killing the process (1, torch's default, kills it): survivors
+        # re-form. Unverified on hardware here: run bench/gpu_reform_check.py on a GPU.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     return backend

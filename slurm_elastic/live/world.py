@@ -496,7 +496,7 @@ class LiveWorld:
         """
         started = time.monotonic()
         deadline = started + self.reform_timeout_s
-        failed_step = int(self.state.counters["step"])
+        failed_step = int(self.state.progress["step"])
         log.warning("collective failed at step %d (%s): re-forming in place", failed_step, reason)
         events.emit(events.LivePeerFailure(step=failed_step, error=reason[:500]))
         self.teardown()
@@ -527,7 +527,7 @@ class LiveWorld:
             self.teardown()
             self.state.restore()
         took = time.monotonic() - started
-        step = int(self.state.counters["step"])
+        step = int(self.state.progress["step"])
         log.info(
             "re-formed after a failure: round %d, rank %d of %d, step %d (redo %d) in %.2f s",
             self.round,
@@ -561,5 +561,5 @@ class LiveWorld:
                     f"collective failed ({reason}) and no new round came within "
                     f"{self.reform_timeout_s:.0f} s: falling back to a restart"
                 )
-            notice.report_progress(int(self.state.counters["step"]))  # alive, not hung
+            notice.report_progress(int(self.state.progress["step"]))  # alive, not hung
             time.sleep(0.02)

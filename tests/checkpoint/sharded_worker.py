@@ -1,11 +1,15 @@
 """One rank of a DCP sharded save/load job (run as a script, not collected).
 
-Usage: sharded_worker.py save|load|enospc|refused|race INIT_FILE CKPT_DIR [SECONDS]
+Usage: sharded_worker.py save|load|enospc|one_fails|refused|race INIT_FILE CKPT_DIR [SECONDS]
 A 12x4 tensor sharded by rows over all ranks (DTensor, Shard(0)) plus a replicated tensor.
 ``save`` writes step 5; ``load`` loads it into a *fresh* DTensor sharded over the current
 world size and checks the full tensor. ``enospc`` saves step 1, then a state too large for
 the (small) filesystem as step 2, and checks that every rank gets our
-``CheckpointWriteError`` and nothing is left behind. ``refused`` expects the load to be
+``CheckpointWriteError`` and nothing is left behind. ``one_fails``: only the last rank's
+write of step 2 fails (faked: DCP's save is collective, so a real failure inside it
+reaches every rank; one that only one rank sees, e.g. a full disk found after DCP
+returned, is what this stands for); every rank must raise it and step 2 must not be
+committed. ``refused`` expects the load to be
 refused as untrusted on every rank. ``race`` loads again and again for SECONDS (while a
 test renames directories under it) and prints one ``RACE {json}`` line: how many loads
 returned the real state, and every failure (class and message).
@@ -49,6 +53,26 @@ def main() -> None:
         dist.barrier()
         assert manager.incomplete() == [], manager.incomplete()
         assert [i.step for i in manager.list_checkpoints()] == [1]
+    elif mode == "one_fails":
+        from slurm_elastic.checkpoint import sharded
+
+        save_sharded(manager, {"w": distribute_tensor(full, mesh, [Shard(0)])}, 1)
+        if rank == world - 1:  # it takes part in DCP's collective save, then reports failure
+            real_write = sharded._write
+            sharded._write = (  # type: ignore[assignment]
+                lambda state_dict, tmp: (
+                    real_write(state_dict, tmp) or f"rank {rank}: injected write failure"
+                )
+            )
+        try:
+            save_sharded(manager, {"w": distribute_tensor(full, mesh, [Shard(0)])}, 2)
+        except CheckpointWriteError as exc:
+            print(f"rank {rank} WRITE_ERROR {exc}")
+        else:
+            raise SystemExit("the save that failed on one rank did not raise")
+        dist.barrier()
+        assert manager.incomplete() == [], manager.incomplete()
+        assert [i.step for i in manager.list_checkpoints()] == [1], manager.list_checkpoints()
     elif mode == "refused":
         state = {"w": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]), "b": torch.zeros(3)}
         try:

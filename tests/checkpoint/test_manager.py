@@ -23,7 +23,12 @@ from slurm_elastic.checkpoint.manager import (
     CheckpointManager,
 )
 from slurm_elastic.checkpoint.manifest import verify_checkpoint
-from slurm_elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from slurm_elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    UnsupportedStateError,
+)
 from tests.helpers import wait_for
 
 CHILD = Path(__file__).with_name("save_child.py")
@@ -256,8 +261,12 @@ def test_read_only_filesystem_raises_a_clear_error_and_previous_loads(small_fs: 
 def test_unserializable_state_is_a_write_error(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path)
     mgr.save(state_for(1), 1)
-    with pytest.raises(CheckpointWriteError, match="cannot serialize"):
+    # by default: refused as not storable in the pickle-free format, naming the value
+    with pytest.raises(UnsupportedStateError, match=r"state\['fn'\]: a builtins.function"):
         mgr.save({"fn": lambda: None}, 2)
+    # opted into pickle: torch.save cannot pickle a lambda either
+    with pytest.raises(CheckpointWriteError, match="cannot serialize"):
+        CheckpointManager(tmp_path, weights_only=False).save({"fn": lambda: None}, 2)
     assert mgr.incomplete() == []
     assert [i.step for i in mgr.list_checkpoints()] == [1]
 

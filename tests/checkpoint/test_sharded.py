@@ -62,3 +62,14 @@ def test_sharded_enospc_raises_our_write_error_on_every_rank_and_cleans_up(
     for rank, out in enumerate(outs):
         assert f"rank {rank} WRITE_ERROR" in out and "no space left" in out, out
         assert "keep_last" not in out
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_on_one_rank_commits_nothing_and_every_rank_raises(
+    tmp_path: Path,
+) -> None:
+    """Before one choreography: rank 0 committed as soon as its own write succeeded, so
+    a failure on another rank left a committed checkpoint without that rank's shards."""
+    outs = run("one_fails", 2, tmp_path, tmp_path / "ckpt")
+    for rank, out in enumerate(outs):
+        assert f"rank {rank} WRITE_ERROR rank 1: injected write failure" in out, out

@@ -4,6 +4,7 @@ classification, the agent's monotonic hang watchdog and its use of torch's loop.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -70,11 +71,11 @@ def test_restore_rolls_back_and_commit_is_not_aliased_by_the_optimizer() -> None
     for _ in range(2):  # twice: a restored optimizer must not write into the commit
         step()
         step()
-        state.counters["step"] = 3
+        state.progress["step"] = 3
         state.restore()
         assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
         assert torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
-        assert state.counters["step"] == 1
+        assert state.progress["step"] == 1
     assert model.weight.data_ptr() == ptr  # same Parameter storage: optimizer stays valid
 
 
@@ -134,18 +135,18 @@ def test_agent_uses_torchs_monitor_loop() -> None:
 def test_background_commit_is_the_state_at_commit_time_although_the_optimizer_steps_at_once(
     monkeypatch: pytest.MonkeyPatch, shared: bool
 ) -> None:
-    # A slow copy (every tensor copy sleeps) makes the race certain: without the
-    # optimizer's step pre-hook, the next step would change the parameters mid-copy.
-    from slurm_elastic.live import state as state_module
+    # A slow copy (every copy job of the host stager sleeps) makes the race certain:
+    # without the stager's guards (the optimizer's step pre-hook, the forward pre-hook),
+    # the next step would change parameters and statistics mid-copy.
+    from slurm_elastic.checkpoint.staging import StagingRound
 
-    real_copy = state_module._host_copy
+    real_copy = StagingRound._copy
 
-    def slow_copy(value: object) -> object:
-        if isinstance(value, torch.Tensor):
-            time.sleep(0.02)
-        return real_copy(value)
+    def slow_copy(self: StagingRound, job: object, touched: bool) -> None:
+        time.sleep(0.02)
+        real_copy(self, job, touched)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(state_module, "_host_copy", slow_copy)
+    monkeypatch.setattr(StagingRound, "_copy", slow_copy)
     torch.manual_seed(0)
     norm = torch.nn.BatchNorm1d(256)
     # shared: the same BatchNorm used twice in a forward; its statistics appear under two
@@ -170,3 +171,34 @@ def test_background_commit_is_the_state_at_commit_time_although_the_optimizer_st
         state.restore()
         assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
         assert torch.equal(opt.state[model[0].weight]["momentum_buffer"], momentum)
+
+
+def test_a_background_commit_changed_outside_step_and_forward_is_refused_not_torn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before (its own copy thread): a parameter changed in place by other means while the
+    copy ran gave a commit that mixed two states, restored and sent without a word. Now the
+    checkpoints' stager copies it and its version check refuses the commit, naming it."""
+    from slurm_elastic.checkpoint.staging import StagingRound
+    from slurm_elastic.errors import StagingConflict
+
+    release = threading.Event()
+    real_copy = StagingRound._copy
+
+    def held_copy(self: StagingRound, job: object, touched: bool) -> None:
+        release.wait(30)  # the copy starts only once the in-place change is done
+        real_copy(self, job, touched)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StagingRound, "_copy", held_copy)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ElasticState(model, opt, step=1)
+    state.commit((0, 1), background=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # neither optimizer.step() nor a forward pass
+    release.set()
+    with pytest.raises(StagingConflict, match=r"weight.*ElasticState.wait\(\)"):
+        state.wait()
+    assert not state.committed
+    with pytest.raises(RuntimeError, match="before any commit"):
+        state.restore()

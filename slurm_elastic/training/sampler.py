@@ -21,7 +21,7 @@ Tail of an epoch: with ``n % global_batch_size = r > 0`` the last step of the ep
 short global batch of ``r`` samples (``drop_last=False``, default), split as evenly as
 possible; when ``r < world_size`` some ranks get an **empty** share for that step and must
 still take part in the collective (a forward pass on an empty batch gives zero gradients).
-Scale the loss by the step's real global size (:func:`slurm_elastic.checkpoint.policy.loss_scale`)
+Scale the loss by the step's real global size (:func:`slurm_elastic.training.policy.loss_scale`)
 so the short step is a proper mean. With ``drop_last=True`` those ``r`` samples are skipped
 in that epoch (they are different samples each epoch).
 """

@@ -21,8 +21,8 @@ from slurm_elastic.checkpoint import (
     restore_training_state,
     training_state,
 )
-from slurm_elastic.checkpoint.sampler import rank_share
 from slurm_elastic.errors import CheckpointError, CheckpointMismatchError
+from slurm_elastic.training.sampler import rank_share
 
 
 def consume(n: int, g: int, plan: list[tuple[int, int]], *, seed: int = 3) -> list[int]:
