@@ -104,7 +104,7 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "test_storage_faults.py::test_storage_fault[stale_rendezvous_dir]": (
         "stale rendezvous directory of an earlier (SIGKILLed) job, same run id and root",
-        "the new job starts and trains; it does not join the dead epoch",
+        "the new job starts and trains; it does not join the dead era",
     ),
     "test_storage_faults.py::test_storage_fault[enospc_checkpoint_dir]": (
         "ENOSPC on the checkpoint directory (small tmpfs filled mid-run)",

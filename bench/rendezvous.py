@@ -9,7 +9,7 @@ Cases, all measured in this run (ratios are ours / baseline):
   (``--quick``) or 150 s.
 * ``formation_e2e_sim/N``: N simulated agents (threads, at most 512 per light process
   forked from this one) each create their real handler after a common start (run
-  directory, epoch selection, heartbeat thread), run the real ``next_rendezvous()`` on one
+  directory, era selection, heartbeat thread), run the real ``next_rendezvous()`` on one
   shared directory (min = max = N) and use the round's real TCPStore: rank 0's agent
   serves it, every other agent connects once and makes one request. Time until the last
   one has its rank and its connection. Targets: N = 1,024 within 2 s, N = 4,096 within
@@ -489,7 +489,7 @@ def _sim_process(
         c0 = time.thread_time()
         c1 = None
         try:
-            # End to end: the handler's set-up (epoch selection, heartbeat thread), the
+            # End to end: the handler's set-up (era selection, heartbeat thread), the
             # join, and the round's store: rank 0 serves it, every other agent connects.
             handlers[i] = h = create_handler(
                 RendezvousParameters("slurm", root, run_id, n, n, local_addr="127.0.0.1", **conf),
@@ -599,7 +599,7 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
     """N simulated agents form one round (min = max = N) on one shared directory, end to end.
 
     Each agent is a thread that creates its real handler after the common start
-    (epoch selection, its heartbeat thread), runs the real ``next_rendezvous()`` (join
+    (era selection, its heartbeat thread), runs the real ``next_rendezvous()`` (join
     intents, the compare-and-set state, rank from its own row) and uses the round's
     real TCPStore: rank 0's agent serves it, every other agent connects once and makes
     one request. The agents live in light processes forked from this one, at most 64

@@ -62,13 +62,14 @@ def _bar(fraction: float, width: int = 24) -> str:
 
 
 def _heartbeats(summary_nodes: list[str], config_rdzv: str | None, run_id: str) -> dict[str, float]:
-    """Rendezvous node name -> mtime of its heartbeat file (newest epoch first wins)."""
+    """Rendezvous node name -> mtime of its heartbeat file (the newest of any era; a run
+    directory of a version before 2026-12-03 names its eras ``epoch.<k>``)."""
     if not config_rdzv:
         return {}
     out: dict[str, float] = {}
     root = Path(config_rdzv) / run_id
     wanted = {_HB_NAME.sub("_", n)[:200]: n for n in summary_nodes}
-    for hb in root.glob("epoch.*/hb/*"):
+    for hb in [*root.glob("era.*/hb/*"), *root.glob("epoch.*/hb/*")]:
         name = wanted.get(hb.name)
         if name is None:
             continue

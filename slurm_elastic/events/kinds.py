@@ -190,7 +190,7 @@ class RendezvousComplete(Event):
 
     kind: ClassVar[str] = "rendezvous.complete"
     round: int = 0
-    epoch: int = 0
+    era: int = 0
     rank: int = 0
     world_size: int = 0
     node: str = ""

@@ -6,7 +6,7 @@ its rank, the world size, and the address of that round's **workers' store**, a 
 TCPStore hosted by the round's rank 0. Nodes that die are evicted by heartbeat
 counters watched around a ring; nodes that leave gracefully are removed at once; either
 way the survivors re-rendezvous promptly. A requeued or resubmitted job never joins a
-closed or stale state of an earlier job (epochs).
+closed or stale state of an earlier job (eras).
 
 Contract:
 
@@ -19,7 +19,7 @@ Contract:
 
 Modules: :mod:`.filesystem` (the few FS primitives, checks, op counters),
 :mod:`.state` (the JSON state, read a row at a time), :mod:`.decisions` (the rules,
-pure), :mod:`.backend` (lock-free compare-and-set state), :mod:`.run_directory` (epochs,
+pure), :mod:`.backend` (lock-free compare-and-set state), :mod:`.run_directory` (eras,
 requeue safety, run ids shared by two jobs), :mod:`.heartbeat` (counter heartbeats),
 :mod:`.join_intents` (contention-free joining), :mod:`.executor` (the op loop),
 :mod:`.torch_compat` (the tested torch range; no private torch name is used anywhere

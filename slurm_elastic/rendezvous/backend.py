@@ -125,7 +125,7 @@ def _name(generation: int) -> str:
 def init_state_dir(directory: SafeDir) -> None:
     """Create generation 0 ("no state") in a *fresh* directory (idempotent).
 
-    Call it only while the directory is private to the caller (e.g. an epoch being
+    Call it only while the directory is private to the caller (e.g. an era being
     built before it is renamed into place): on a directory in use it could resurrect
     a collected segment.
     """
@@ -246,7 +246,7 @@ class FileRendezvousBackend(RendezvousBackend):
             self._check_not_deleted()
             raise RendezvousStateError(
                 f"the rendezvous state directory {str(self._root.path)!r} holds no "
-                "generation at all (not even the initial one); remove the epoch directory "
+                "generation at all (not even the initial one); remove the era directory "
                 "so that a new one is created"
             )
         best = -1
@@ -351,8 +351,8 @@ class FileRendezvousBackend(RendezvousBackend):
         self._cached = None
         return MalformedRecordError(
             f"rendezvous state record {self._file(generation)!r} is malformed ({why}); it was "
-            "damaged or planted. Stop the run's agents and remove its epoch directory "
-            f"{str(self._root.path)!r} (a new epoch is created), or delete the file to fall "
+            "damaged or planted. Stop the run's agents and remove its era directory "
+            f"{str(self._root.path)!r} (a new era is created), or delete the file to fall "
             "back to the previous generation"
         )
 

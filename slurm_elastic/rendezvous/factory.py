@@ -65,16 +65,16 @@ def create_handler(
     incarnation = Incarnation.from_environ(
         env, generation=options.generation, key=options.incarnation
     )
-    epoch = run_dir.select_epoch(incarnation)
+    era = run_dir.select_era(incarnation)
     local_addr = resolve_local_addr(options.local_addr, options.interface, env)
     log.debug(
-        "rendezvous %r: root %s, epoch %d, addr %s", params.run_id, root, epoch.number, local_addr
+        "rendezvous %r: root %s, era %d, addr %s", params.run_id, root, era.number, local_addr
     )
     return SlurmRendezvousHandler(
         run_id=params.run_id,
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
-        epoch=epoch,
+        era=era,
         incarnation=incarnation,
         local_addr=local_addr,
         options=options,

@@ -28,8 +28,8 @@ What it adds to torch's:
   seats left and a node whose workers still train is never left out by them.
 * **Workers' store**: owned per round by
   :class:`~slurm_elastic.rendezvous.worker_store.WorkerStoreOwner`.
-* **Requeue safety**: the epoch is chosen by
-  :meth:`~slurm_elastic.rendezvous.run_directory.RunDirectory.select_epoch`.
+* **Requeue safety**: the era is chosen by
+  :meth:`~slurm_elastic.rendezvous.run_directory.RunDirectory.select_era`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from slurm_elastic.rendezvous.join_intents import IntentBoard
 from slurm_elastic.rendezvous.member_links import MemberLinks
 from slurm_elastic.rendezvous.options import RendezvousOptions
 from slurm_elastic.rendezvous.resolver import check_reverse_lookup_once
-from slurm_elastic.rendezvous.run_directory import Epoch, Incarnation
+from slurm_elastic.rendezvous.run_directory import Era, Incarnation
 from slurm_elastic.rendezvous.state import PARTICIPANTS, WAITING, Node, encode_state, ring_after
 from slurm_elastic.rendezvous.worker_store import RoundLostError, WorkerStoreOwner
 
@@ -124,7 +124,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
         run_id: the run id.
         min_nodes: minimum number of nodes of a round.
         max_nodes: maximum number of nodes of a round (more wait as spares).
-        epoch: the epoch selected for this agent.
+        era: the era selected for this agent.
         incarnation: this agent's requeue identity.
         local_addr: the address other nodes use to reach this node.
         options: the parsed rendezvous options.
@@ -136,7 +136,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
         run_id: str,
         min_nodes: int,
         max_nodes: int,
-        epoch: Epoch,
+        era: Era,
         incarnation: Incarnation,
         local_addr: str,
         options: RendezvousOptions,
@@ -153,25 +153,25 @@ class SlurmRendezvousHandler(RendezvousHandler):
             takeover_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
         )
         self._loop = OpLoop(
-            self._node, self._rules, epoch.backend(), self._timing, IntentBoard(epoch.intents),
+            self._node, self._rules, era.backend(), self._timing, IntentBoard(era.intents),
             run_id,
         )  # fmt: skip
         self._lock = threading.Lock()
-        self._epoch = epoch
+        self._era = era
         self._incarnation = incarnation
         self._options = options
         self._local_addr = local_addr
         check_reverse_lookup_once(local_addr)  # torch's store connections wait on it
         self._node_name = self._node.name
         self._monitor = HeartbeatMonitor(
-            epoch.hb,
+            era.hb,
             self._node_name,
             interval_s=options.heartbeat_interval_s,
             miss_limit=options.heartbeat_miss_limit,
             successors=options.successors,
         )
         self._worker_store = WorkerStoreOwner(
-            epoch, self._node_name, local_addr, options.store_port, options.store_timeout_s
+            era, self._node_name, local_addr, options.store_port, options.store_timeout_s
         )
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -196,9 +196,9 @@ class SlurmRendezvousHandler(RendezvousHandler):
         return self._node_name
 
     @property
-    def epoch(self) -> Epoch:
-        """The epoch this handler takes part in."""
-        return self._epoch
+    def era(self) -> Era:
+        """The era this handler takes part in."""
+        return self._era
 
     @property
     def options(self) -> RendezvousOptions:
@@ -247,7 +247,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
             thread.join(timeout=max(2.0, 2 * self._options.heartbeat_interval_s))
 
     def _run_monitor(self, stop: threading.Event, wake: threading.Event) -> None:
-        backend = self._epoch.backend()  # its own descriptors: not shared across threads
+        backend = self._era.backend()  # its own descriptors: not shared across threads
         # Observe twice per beat interval: verdicts lag a stopped counter by at most
         # half an interval (the window itself is unchanged).
         tick = self._options.heartbeat_interval_s / 2
@@ -310,7 +310,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
     def _evict(
         self, backend: FileRendezvousBackend, dead: list[Node], cause: str = "heartbeat"
     ) -> None:
-        board = IntentBoard(self._epoch.intents)
+        board = IntentBoard(self._era.intents)
         for node in dead:  # a dead node's intent must not bring it back
             board.withdraw(IntentBoard.name(node))
         for _ in range(64):
@@ -340,7 +340,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
         """
         for node in dead:
             try:
-                self._epoch.hb.remove(node_file_name(node.name))
+                self._era.hb.remove(node_file_name(node.name))
             except OSError as exc:
                 log.debug("could not remove the heartbeat file of %r: %s", node, exc)
 
@@ -457,7 +457,7 @@ class SlurmRendezvousHandler(RendezvousHandler):
         events.emit(
             events.RendezvousComplete(
                 round=seat.round,
-                epoch=self._epoch.number,
+                era=self._era.number,
                 rank=seat.rank,
                 world_size=seat.world,
                 node=self._node_name,

@@ -68,7 +68,7 @@ class HeartbeatMonitor:
     """Beat for one node and judge the liveness of its ring successors.
 
     Args:
-        directory: the epoch's ``hb`` directory (a checked :class:`SafeDir`; a path is
+        directory: the era's ``hb`` directory (a checked :class:`SafeDir`; a path is
             opened and checked).
         node: this node's name (its heartbeat file name derives from it).
         interval_s: the beat and observation interval.

@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class IntentBoard:
-    """The epoch's ``intents`` directory.
+    """The era's ``intents`` directory.
 
     Args:
-        directory: the checked ``intents`` directory of the epoch.
+        directory: the checked ``intents`` directory of the era.
     """
 
     def __init__(self, directory: SafeDir) -> None:

@@ -1,10 +1,10 @@
-"""Run directories and epochs: which rendezvous state a starting agent may join.
+"""Run directories and eras: which rendezvous state a starting agent may join.
 
 Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
 
     <root>/                     0700, owned by the user (checked)
       <run_id>/                 one per run id: two runs may share a root
-        epoch.<k>/              one per *epoch*: a state that agents may join
+        era.<k>/              one per *era*: a state that agents may join
           meta                  JSON: generation (who may join), created_by, Slurm job
           head, seg.<k>/state.<n>  the rendezvous state (see backend.py)
           hb/<node>             heartbeat counters (see heartbeat.py)
@@ -14,21 +14,21 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
 
 **Requeue safety.** Two identities come from Slurm (:class:`Incarnation`):
 
-* ``generation`` says who may *join an open epoch*: for a plain (multi-node) job it is
+* ``generation`` says who may *join an open era*: for a plain (multi-node) job it is
   ``<job_id>.<restart_count>``, so a requeued or resubmitted job never joins the state
   of an earlier run (whose members are dead); for an array task it is the array job id,
   so a requeued task rejoins the running tasks of its array (the run is not reset).
 * ``key`` identifies this allocation: ``<SLURM_JOB_ID>.<restart_count>``.
 
-A starting agent takes the newest epoch when it is open with its generation (an open
-epoch of *another* generation that is still live, judged by its heartbeats over one
+A starting agent takes the newest era when it is open with its generation (an open
+era of *another* generation that is still live, judged by its heartbeats over one
 liveness window, makes it fail with :class:`RunIdInUseError`: two jobs never share one);
-when the epoch is *closed* it raises :class:`RendezvousClosedError` if its own key took
-part in that epoch (a late agent of a finished job), and otherwise opens a new epoch:
-a closed run never poisons a requeue. Epochs are created by ``rename`` of a fully built
+when the era is *closed* it raises :class:`RendezvousClosedError` if its own key took
+part in that era (a late agent of a finished job), and otherwise opens a new era:
+a closed run never poisons a requeue. Eras are created by ``rename`` of a fully built
 directory (exclusive: one creator wins, the others use the winner's); one agent claims
 the creation (``.create.<k>``) and the others wait for it rather than build copies.
-Epochs older than the previous two are deleted by the creator of a new one.
+Eras older than the previous two are deleted by the creator of a new one.
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from slurm_elastic.errors import RunIdInUseError
+from slurm_elastic.errors import RendezvousSetupError, RunIdInUseError
 from slurm_elastic.rendezvous.backend import FileRendezvousBackend, init_state_dir
 from slurm_elastic.rendezvous.filesystem import SafeDir
 from slurm_elastic.rendezvous.state import decode_state
 
-__all__ = ["Epoch", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_component"]
+__all__ = ["Era", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_component"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ def safe_component(value: str) -> str:
     return f"{cleaned}-{digest}"
 
 
-#: How long an agent waits for the agent that claimed an epoch's creation to create it.
+_ERA = "era."
+_LEGACY_ERA = "epoch."  # the name of an era before 2026-12-03
+
+#: How long an agent waits for the agent that claimed an era's creation to create it.
 _CREATE_WAIT_S = 2.0
 
 
@@ -80,7 +83,7 @@ class Incarnation:
     """Who this agent is, for requeue safety.
 
     Attributes:
-        generation: agents with equal generation may join each other's open epoch.
+        generation: agents with equal generation may join each other's open era.
         key: this allocation (job id + restart count); closes are tied to it.
     """
 
@@ -125,12 +128,12 @@ class Incarnation:
         return cls(generation or derived_gen, key or derived_key, job, recorded)
 
 
-class Epoch:
-    """One epoch directory (held open): the state backend and its side files.
+class Era:
+    """One era directory (held open): the state backend and its side files.
 
     Args:
-        directory: the checked, open epoch directory.
-        number: the epoch number.
+        directory: the checked, open era directory.
+        number: the era number.
     """
 
     def __init__(self, directory: SafeDir, number: int) -> None:
@@ -142,7 +145,7 @@ class Epoch:
 
     @property
     def path(self) -> Path:
-        """The epoch directory's path (for messages)."""
+        """The era directory's path (for messages)."""
         return self.dir.path
 
     @property
@@ -175,26 +178,26 @@ class Epoch:
         return self._keys
 
     def backend(self) -> FileRendezvousBackend:
-        """Return a new backend object on this epoch (one per thread)."""
+        """Return a new backend object on this era (one per thread)."""
         return FileRendezvousBackend(self.dir)
 
     def meta(self) -> dict[str, Any] | None:
-        """Return the epoch's metadata, or None when missing or malformed."""
+        """Return the era's metadata, or None when missing or malformed."""
         try:
             raw = self.dir.read("meta", limit=1 << 16)
             if raw is None:
                 return None
             meta = json.loads(raw)
         except (OSError, ValueError) as exc:
-            log.warning("ignoring malformed rendezvous epoch metadata in %s: %s", self.path, exc)
+            log.warning("ignoring malformed rendezvous era metadata in %s: %s", self.path, exc)
             return None
         if not isinstance(meta, dict) or not isinstance(meta.get("generation"), str):
-            log.warning("ignoring malformed rendezvous epoch metadata in %s", self.path)
+            log.warning("ignoring malformed rendezvous era metadata in %s", self.path)
             return None
         return meta
 
     def register_key(self, key: str) -> None:
-        """Record that incarnation ``key`` takes part in this epoch.
+        """Record that incarnation ``key`` takes part in this era.
 
         The ``keys`` directory stays bounded over churn: a key is one file per job
         allocation (all its agents share it, so re-registering is a no-op), and a Slurm
@@ -216,7 +219,7 @@ class Epoch:
                 self.keys.remove(other)
 
     def has_key(self, key: str) -> bool:
-        """Whether incarnation ``key`` took part in this epoch."""
+        """Whether incarnation ``key`` took part in this era."""
         return self.keys.exists(safe_component(key))
 
     def publish_store(
@@ -233,7 +236,7 @@ class Epoch:
         """Return the published worker-store record, or None (missing/malformed).
 
         Raises:
-            RendezvousStateError: the epoch directory was deleted.
+            RendezvousStateError: the era directory was deleted.
         """
         try:
             raw = self.dir.read("store", limit=1 << 16)
@@ -260,7 +263,7 @@ class Epoch:
         return rec
 
     def activity(self) -> tuple[Any, ...]:
-        """A snapshot that changes while any agent is active in this epoch.
+        """A snapshot that changes while any agent is active in this era.
 
         The newest state generation and every heartbeat counter: a live member beats
         every heartbeat interval, so two snapshots one liveness window apart differ
@@ -288,7 +291,7 @@ class RunDirectory:
         run_id: the run id (any string; mapped to a safe directory name).
         anchor: the ancestor from which every directory must be the user's (see
             :meth:`SafeDir.open_tree`; default: derived from ownership).
-        liveness_window_s: how long a foreign epoch is watched for activity before
+        liveness_window_s: how long a foreign era is watched for activity before
             it is judged dead (the heartbeat window of the run).
 
     Raises:
@@ -310,36 +313,46 @@ class RunDirectory:
         self.path = self.dir.path
         self._liveness_window_s = liveness_window_s
 
-    def _epochs(self) -> list[int]:
+    def _eras(self) -> list[int]:
         numbers = []
-        for name in self.dir.listdir():
-            if name.startswith("epoch."):
+        names = self.dir.listdir()
+        for name in names:
+            if name.startswith(_ERA):
                 try:
-                    numbers.append(int(name[6:]))
+                    numbers.append(int(name[len(_ERA) :]))
                 except ValueError:
                     continue
+        legacy = sorted(n for n in names if n.startswith(_LEGACY_ERA))
+        if legacy:
+            raise RendezvousSetupError(
+                f"rendezvous run directory {str(self.path)!r} holds the state of an earlier "
+                f"slurm_elastic version ({legacy[-1]}: before 2026-12-03 an era was named "
+                "'epoch'); agents of two versions must not share one run. Give this job "
+                "another --rdzv-id (run id), or remove that directory once no agent of the "
+                "old run is left"
+            )
         return sorted(numbers)
 
-    def epoch(self, number: int) -> Epoch:
-        """Open epoch ``number`` (checked).
+    def era(self, number: int) -> Era:
+        """Open era ``number`` (checked).
 
         Raises:
             RendezvousSetupError: it is missing or unsafe.
         """
-        return Epoch(self.dir.subdir(f"epoch.{number}", create=False), number)
+        return Era(self.dir.subdir(f"era.{number}", create=False), number)
 
     def _create(self, number: int, incarnation: Incarnation) -> None:
-        """Create epoch ``number`` unless another agent does (then wait for theirs).
+        """Create era ``number`` unless another agent does (then wait for theirs).
 
         One agent claims the creation (one exclusive ``mkdir``); the others wait for the
-        epoch to appear instead of each building a copy to throw away (an array of
+        era to appear instead of each building a copy to throw away (an array of
         1,024 tasks starting at once made about as many copies, and the run directory
         they all list grew with them). A claimant that died or stalls is overtaken
         after :data:`_CREATE_WAIT_S`: then the ``rename`` decides, as before.
         """
         claim = f".create.{number}"
         if self.dir.claim(claim):
-            if self.dir.exists(f"epoch.{number}"):  # created since this agent listed
+            if self.dir.exists(f"era.{number}"):  # created since this agent listed
                 self.dir.rmdir(claim)
                 return
         else:
@@ -347,13 +360,13 @@ class RunDirectory:
             delay = 0.002
             while time.monotonic() < deadline:
                 time.sleep(delay)
-                if self.dir.exists(f"epoch.{number}"):
+                if self.dir.exists(f"era.{number}"):
                     return
                 delay = min(2 * delay, 0.1)
-            log.info("rendezvous run %r: epoch %d was claimed but not created in %.0f s; "
+            log.info("rendezvous run %r: era %d was claimed but not created in %.0f s; "
                      "creating it", self.run_id, number, _CREATE_WAIT_S)  # fmt: skip
         try:
-            tmp_name = self.dir.tmp_name(f"epoch.{number}")
+            tmp_name = self.dir.tmp_name(f"era.{number}")
             tmp = self.dir.subdir(tmp_name, create=True)
             try:
                 tmp.subdir("hb").close()
@@ -370,24 +383,24 @@ class RunDirectory:
             finally:
                 tmp.close()
             try:
-                self.dir.rename(tmp_name, f"epoch.{number}")
+                self.dir.rename(tmp_name, f"era.{number}")
             except OSError:  # another agent created it first: use theirs
                 self.dir.rmtree(tmp_name)
                 return
         finally:
             self.dir.rmdir(claim)  # ours, or a dead claimant's: settled either way
         log.info(
-            "rendezvous run %r: opened epoch %d for generation %s",
+            "rendezvous run %r: opened era %d for generation %s",
             self.run_id,
             number,
             incarnation.generation,
         )
-        for old in self._epochs():
+        for old in self._eras():
             if old < number - 2:
-                self.dir.rmtree(f"epoch.{old}")
+                self.dir.rmtree(f"era.{old}")
 
-    def _foreign_is_live(self, epoch: Epoch, meta: dict[str, Any], me: Incarnation) -> bool:
-        """Whether the open epoch of another generation still has live agents."""
+    def _foreign_is_live(self, era: Era, meta: dict[str, Any], me: Incarnation) -> bool:
+        """Whether the open era of another generation still has live agents."""
         theirs = meta.get("job")
         if isinstance(theirs, dict) and me.job is not None:
             same_job = theirs.get("id") == me.job.get("id") and theirs.get("id") is not None
@@ -396,74 +409,74 @@ class RunDirectory:
         window = meta.get("liveness_window_s", self._liveness_window_s)
         if not isinstance(window, (int, float)) or not 0 < window < 3600:
             window = self._liveness_window_s
-        before = epoch.activity()
+        before = era.activity()
         deadline = time.monotonic() + float(window) * 1.2
         while time.monotonic() < deadline:
             time.sleep(min(0.25, float(window) / 4))
-            if epoch.activity() != before:
+            if era.activity() != before:
                 return True
         return False
 
-    def select_epoch(self, incarnation: Incarnation) -> Epoch:
-        """Return the epoch this agent must join, creating a new one when needed.
+    def select_era(self, incarnation: Incarnation) -> Era:
+        """Return the era this agent must join, creating a new one when needed.
 
         Raises:
-            RendezvousClosedError: the newest epoch was closed by this incarnation.
-            RunIdInUseError: the newest epoch belongs to another job that is live.
-            RendezvousSetupError: an epoch directory is unsafe.
-            RendezvousStateError: no epoch could be settled on.
+            RendezvousClosedError: the newest era was closed by this incarnation.
+            RunIdInUseError: the newest era belongs to another job that is live.
+            RendezvousSetupError: an era directory is unsafe.
+            RendezvousStateError: no era could be settled on.
         """
         for _ in range(32):
-            numbers = self._epochs()
+            numbers = self._eras()
             if not numbers:
                 self._create(1, incarnation)
                 continue
-            epoch = self.epoch(numbers[-1])
-            meta = epoch.meta()
+            era = self.era(numbers[-1])
+            meta = era.meta()
             if meta is None:
-                self._create(epoch.number + 1, incarnation)
+                self._create(era.number + 1, incarnation)
                 continue
             try:
-                current = epoch.backend().get_state()
+                current = era.backend().get_state()
                 closed = current is not None and decode_state(current[0]).closed
             except RendezvousStateError as exc:  # a malformed newest record: start afresh
-                log.warning("rendezvous state in %s unusable (%s); opening a new epoch",
-                            epoch.path, exc)  # fmt: skip
-                self._create(epoch.number + 1, incarnation)
+                log.warning("rendezvous state in %s unusable (%s); opening a new era",
+                            era.path, exc)  # fmt: skip
+                self._create(era.number + 1, incarnation)
                 continue
             if closed:
-                if epoch.has_key(incarnation.key):
+                if era.has_key(incarnation.key):
                     raise RendezvousClosedError(
                         f"the rendezvous of run {self.run_id!r} was closed by this job "
                         f"(incarnation {incarnation.key}); it has finished. Use a new run id "
                         "or requeue the job to start again"
                     )
-                self._create(epoch.number + 1, incarnation)
+                self._create(era.number + 1, incarnation)
                 continue
             if meta["generation"] != incarnation.generation:
-                if self._foreign_is_live(epoch, meta, incarnation):
+                if self._foreign_is_live(era, meta, incarnation):
                     raise RunIdInUseError(
                         f"rendezvous run id {self.run_id!r} is in use by another live job "
-                        f"({_describe(meta)}; epoch {str(epoch.path)!r}), not by this one "
+                        f"({_describe(meta)}; era {str(era.path)!r}), not by this one "
                         f"({incarnation.generation}). Two jobs must not share a run id: "
                         "give this job another --rdzv-id (run_id), or stop the other job"
                     )
                 log.info(
-                    "rendezvous run %r: epoch %d belongs to %s (no longer active), not %s; "
+                    "rendezvous run %r: era %d belongs to %s (no longer active), not %s; "
                     "opening a new one",
                     self.run_id,
-                    epoch.number,
+                    era.number,
                     meta["generation"],
                     incarnation.generation,
                 )
-                self._create(epoch.number + 1, incarnation)
+                self._create(era.number + 1, incarnation)
                 continue
             if incarnation.recorded:
-                epoch.register_key(incarnation.key)
-            return epoch
+                era.register_key(incarnation.key)
+            return era
         raise RendezvousStateError(
-            f"could not settle on a rendezvous epoch in {str(self.path)!r}; check that no "
-            "other process keeps creating epochs there"
+            f"could not settle on a rendezvous era in {str(self.path)!r}; check that no "
+            "other process keeps creating eras there"
         )
 
 

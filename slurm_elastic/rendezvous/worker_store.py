@@ -6,7 +6,7 @@ key the cached rank 0 never writes, and a worker restart reuses a store full of 
 previous attempt's addresses. Here every :meth:`WorkerStoreOwner.setup` (one per
 ``next_rendezvous``) drops the previous store; rank 0 starts a **new** server on an
 ephemeral port (chosen by the kernel at ``bind``: no check-then-bind race) or on a
-configured port, and publishes ``addr:port`` for that round in the epoch's ``store``
+configured port, and publishes ``addr:port`` for that round in the era's ``store``
 record; every other rank reads the record of *its* round, every round.
 
 The same TCPStore, under a round prefix, is the agent's control-plane store (rank
@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from slurm_elastic.errors import RendezvousSetupError, RoundLostError
-from slurm_elastic.rendezvous.run_directory import Epoch
+from slurm_elastic.rendezvous.run_directory import Era
 
 __all__ = ["RoundLostError", "WorkerStoreOwner", "interface_address", "resolve_local_addr"]
 
@@ -87,15 +87,15 @@ class WorkerStoreOwner:
     """Creates, publishes and discovers the per-round TCPStore.
 
     Args:
-        epoch: the epoch whose ``store`` record carries the address.
+        era: the era whose ``store`` record carries the address.
         node: this node's name (recorded with the address).
         addr: the address to advertise when this node is rank 0.
         port: the port to bind (0: ephemeral).
         timeout_s: the TCPStore operation timeout.
     """
 
-    def __init__(self, epoch: Epoch, node: str, addr: str, port: int, timeout_s: float) -> None:
-        self._epoch = epoch
+    def __init__(self, era: Era, node: str, addr: str, port: int, timeout_s: float) -> None:
+        self._era = era
         self._node = node
         self._addr = addr
         self._port = port
@@ -150,7 +150,7 @@ class WorkerStoreOwner:
         if rank == 0:
             server = self._serve()
             self._store = server
-            self._epoch.publish_store(round_, self._node, self._addr, server.port, members)
+            self._era.publish_store(round_, self._node, self._addr, server.port, members)
             return dist.PrefixStore(prefix, server), RendezvousStoreInfo(self._addr, server.port)
         # Spread the clients' connects (up to 0.5 s): each one makes torch look up the
         # store's name by reverse DNS (resolver.py), and a resolver that drops a burst
@@ -159,7 +159,7 @@ class WorkerStoreOwner:
         delay = 0.01
         last_check = time.monotonic()
         while True:
-            rec = self._epoch.read_store()
+            rec = self._era.read_store()
             if rec is not None and rec["round"] == round_ and rec["node"] == rank0_node:
                 if rec.get("members", members) != members:
                     raise RoundLostError(f"round {round_} changed members before this node read it")

@@ -421,7 +421,7 @@ class FaultRun:
     def store_host(self) -> Proc:
         """The agent that hosts the current round's workers' store (its rank 0)."""
         root = Path(self.values.get("rdzv_endpoint", self.state / "rdzv"))
-        records = sorted(root.glob("*/epoch.*/store"), key=lambda p: p.stat().st_mtime)
+        records = sorted(root.glob("*/era.*/store"), key=lambda p: p.stat().st_mtime)
         assert records, f"no worker-store record under {root}"
         record = json.loads(records[-1].read_text())
         pid = int(record["node"].split("_")[-2])  # torch's node desc: addr_pid_localid

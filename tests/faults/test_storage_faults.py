@@ -1,7 +1,7 @@
 """Fault matrix, storage faults, on one single-task ``elastic_array`` job:
 
 * a **stale rendezvous directory from an earlier job**: an earlier job of the same run id
-  and rendezvous root is SIGKILLed whole (its open epoch, heartbeats and store record stay
+  and rendezvous root is SIGKILLed whole (its open era, heartbeats and store record stay
   behind, as after a crash); the job of the matrix reuses that root and run id;
 * **ENOSPC on the checkpoint directory**: the checkpoint directory is a small tmpfs
   (mounted by the test, as root); the test fills it while training runs, a save fails
@@ -91,7 +91,7 @@ def storage_run(
                     120,
                     "the earlier job to die",
                 )
-                assert list(rdzv.glob(f"{RUN_ID}/epoch.*/hb/*")), "no stale heartbeats left"
+                assert list(rdzv.glob(f"{RUN_ID}/era.*/hb/*")), "no stale heartbeats left"
                 t0 = time.time()
                 run.submit()
                 run.wait_training(1, t0, 240, "the job over the stale rendezvous directory")

@@ -78,7 +78,7 @@ def _serve(
         try:
             if cmd == "create":
                 handler = create_handler(params)
-                conn.send(("ok", {"node": handler.node, "epoch": handler.epoch.number}))
+                conn.send(("ok", {"node": handler.node, "era": handler.era.number}))
             elif cmd in ("rdzv", "rdzv_seated"):
                 assert handler is not None
                 t0 = time.monotonic()
@@ -101,7 +101,7 @@ def _serve(
                             "store": f"{si.master_addr}:{si.master_port}",
                             "sum": total,
                             "took": took,
-                            "epoch": handler.epoch.number,
+                            "era": handler.era.number,
                         },
                     )
                 )
@@ -123,7 +123,7 @@ def _serve(
                 from slurm_elastic.rendezvous.state import Node, encode_state
 
                 assert handler is not None
-                backend = handler.epoch.backend()
+                backend = handler.era.backend()
                 for _ in range(100):
                     gen, st = backend.read_full()
                     st.waiting.add(Node(arg, 1, 0))
@@ -135,7 +135,7 @@ def _serve(
                 conn.send(("ok", None))
             elif cmd == "state":  # the shared state as read now: round, complete, members
                 assert handler is not None
-                _, st = handler.epoch.backend().read_full()
+                _, st = handler.era.backend().read_full()
                 conn.send(("ok", (st.round, st.complete, len(st.participants))))
             elif cmd == "linked":  # the nodes this one holds a verified link to
                 conn.send(("ok", sorted(handler.verified_links())))  # type: ignore[union-attr]

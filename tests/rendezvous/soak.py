@@ -102,7 +102,7 @@ def _agent(root: str, run_id: str, log_path: str, stop_at: float, seed: int, n_m
             info = h.next_rendezvous()
             si = info.bootstrap_store_info
             seat = h.seat
-            formed = None if seat is None else h.epoch.backend().read_state(seat.formed)
+            formed = None if seat is None else h.era.backend().read_state(seat.formed)
             emit(ev="round", round=h.current_round, rank=info.rank, world=info.world_size,
                  store=f"{si.master_addr}:{si.master_port}",
                  members=None if formed is None else sorted(n.name for n in formed.participants))  # fmt: skip
@@ -177,25 +177,25 @@ def run_soak(
 
 
 def directory_sizes(run_dir: Path) -> dict[str, int]:
-    """The largest entry counts of the run's epoch directories (they must stay bounded).
+    """The largest entry counts of the run's era directories (they must stay bounded).
 
     ``keys``/``hb``/``intents``: files; ``segments``: state segment directories;
     ``merge_claims``: ``.merge.*`` claims; ``tmp``: ``.tmp.*`` leftovers (a writer
-    SIGKILLed between writing and publishing); ``epochs``: epoch directories.
+    SIGKILLed between writing and publishing); ``eras``: era directories.
     """
-    sizes = dict.fromkeys(("epochs", "keys", "hb", "intents", "segments", "merge_claims", "tmp"), 0)
-    epochs = [p for p in run_dir.glob("epoch.*") if p.is_dir()]
-    sizes["epochs"] = len(epochs)
-    for epoch in epochs:
+    sizes = dict.fromkeys(("eras", "keys", "hb", "intents", "segments", "merge_claims", "tmp"), 0)
+    eras = [p for p in run_dir.glob("era.*") if p.is_dir()]
+    sizes["eras"] = len(eras)
+    for era in eras:
         for sub in ("keys", "hb", "intents"):
-            names = [p.name for p in (epoch / sub).iterdir()]
+            names = [p.name for p in (era / sub).iterdir()]
             sizes[sub] = max(sizes[sub], len([n for n in names if not n.startswith(".")]))
             if sub == "intents":
                 claims = len([n for n in names if n.startswith(".merge.")])
                 sizes["merge_claims"] = max(sizes["merge_claims"], claims)
-        segs = [p for p in epoch.iterdir() if p.name.startswith("seg.")]
+        segs = [p for p in era.iterdir() if p.name.startswith("seg.")]
         sizes["segments"] = max(sizes["segments"], len(segs))
-        tmp = [p for p in epoch.rglob(".tmp.*")]
+        tmp = [p for p in era.rglob(".tmp.*")]
         sizes["tmp"] = max(sizes["tmp"], len(tmp))
     return sizes
 

@@ -78,8 +78,8 @@ def test_a_damaged_head_is_recovered_from(tmp_path: Path, plant: Any) -> None:
 
 def test_a_deleted_run_directory_is_reported_and_the_cache_dropped(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path / "rdzv", "r")
-    epoch = run.select_epoch(Incarnation("g", "k"))
-    b = epoch.backend()
+    era = run.select_era(Incarnation("g", "k"))
+    b = era.backend()
     _, token, _ = b.set_state(_state(1), None)
     assert b.get_state()[1] == token
     shutil.rmtree(tmp_path / "rdzv" / "r")
@@ -88,7 +88,7 @@ def test_a_deleted_run_directory_is_reported_and_the_cache_dropped(tmp_path: Pat
     with pytest.raises(RendezvousStateError, match="was deleted while in use"):
         b.set_state(_state(2), token)
     with pytest.raises(RendezvousStateError, match="was deleted while in use"):
-        epoch.read_store()
+        era.read_store()
 
 
 # -- one run id, two jobs -------------------------------------------------------------------
@@ -110,8 +110,8 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_untouched(
     try:
         info = a.next_rendezvous()
         assert info.world_size == 1
-        epochs_before = sorted(p.name for p in a.epoch.path.parent.iterdir())
-        token_before = a.epoch.backend().get_state()[1]
+        eras_before = sorted(p.name for p in a.era.path.parent.iterdir())
+        token_before = a.era.backend().get_state()[1]
         with pytest.raises(RunIdInUseError, match=r"in use by another live job \(Slurm job 40"):
             create_handler(_params(tmp_path), environ={"SLURM_JOB_ID": "50"})
         with pytest.raises(RunIdInUseError, match="rdzv-id"):  # another array, too
@@ -121,30 +121,30 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_untouched(
                          "SLURM_ARRAY_TASK_ID": "1"},
             )  # fmt: skip
         # Nothing of job A's was joined, replaced or deleted.
-        assert sorted(p.name for p in a.epoch.path.parent.iterdir()) == epochs_before
-        assert a.epoch.backend().get_state()[1] == token_before
+        assert sorted(p.name for p in a.era.path.parent.iterdir()) == eras_before
+        assert a.era.backend().get_state()[1] == token_before
         assert a.num_nodes_waiting() == 0
         # A task of job A's own array still joins it.
         b = create_handler(
             _params(tmp_path),
             environ={"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "1"},
         )
-        assert b.epoch.number == a.epoch.number
+        assert b.era.number == a.era.number
     finally:
         a.leave()
     # Once job A is gone (no heartbeat moves), the run id is free again.
     c = create_handler(_params(tmp_path), environ={"SLURM_JOB_ID": "50"})
-    assert c.epoch.number == a.epoch.number + 1
+    assert c.era.number == a.era.number + 1
 
 
-def test_a_requeued_plain_job_takes_over_its_own_earlier_epoch(tmp_path: Path) -> None:
+def test_a_requeued_plain_job_takes_over_its_own_earlier_era(tmp_path: Path) -> None:
     first = create_handler(_params(tmp_path), environ={"SLURM_JOB_ID": "7"})
     first.next_rendezvous()  # and it keeps beating: still "live" by its heartbeats
     try:
         again = create_handler(
             _params(tmp_path), environ={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
         )
-        assert again.epoch.number == first.epoch.number + 1
+        assert again.era.number == first.era.number + 1
     finally:
         first.leave()
 
@@ -172,7 +172,7 @@ def test_a_last_call_written_by_a_node_with_a_fast_clock_does_not_stall_the_othe
 
     thread = threading.Thread(target=join, daemon=True)
     thread.start()
-    backend = h.epoch.backend()
+    backend = h.era.backend()
 
     def joined() -> Any:
         cur = backend.get_state()

@@ -173,7 +173,7 @@ def test_requeued_job_with_same_run_id_starts_fresh_not_closed(
     again = _spawn(nodes, 2, tmp_path, "run", 2, 2, env=_job(100, restart=1))
     r2 = rdzv_all(again)
     check_world(r2, 2)
-    assert r2[0]["epoch"] > r1[0]["epoch"]
+    assert r2[0]["era"] > r1[0]["era"]
 
 
 def test_stale_state_of_an_earlier_job_is_never_joined(
@@ -210,7 +210,7 @@ def test_requeued_array_task_rejoins_the_running_array(
         r0 = t0.call("rdzv")
     r2 = [r0, requeued[0].result()]
     check_world(r2, 2)
-    assert {r["epoch"] for r in r2} == {r1[0]["epoch"]}, "the running run must not be reset"
+    assert {r["era"] for r in r2} == {r1[0]["era"]}, "the running run must not be reset"
 
 
 def test_members_are_seated_before_newcomers_that_fill_max_nodes(

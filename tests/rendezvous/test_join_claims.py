@@ -54,7 +54,7 @@ def _form_in_threads(
         t.join(60)
     ops = fs.FS_OPS.snapshot()
     for h in handlers:
-        h._epoch.dir.close()
+        h._era.dir.close()
     return ranks, ops
 
 
@@ -75,7 +75,7 @@ def test_a_claimant_that_died_before_merging_is_taken_over(tmp_path: Path) -> No
             made.append(node)
             node.call("create")
         # What a node SIGKILLed right after winning the claim of generation 0 leaves.
-        (next((tmp_path / "run").glob("epoch.*")) / "intents" / ".merge.0").mkdir(mode=0o700)
+        (next((tmp_path / "run").glob("era.*")) / "intents" / ".merge.0").mkdir(mode=0o700)
         started = time.monotonic()
         check_world(rdzv_all(made, timeout=30), 2)
         # Pending nodes merge themselves after the takeover time (window 4 x 0.25 s).
@@ -92,7 +92,7 @@ def test_taking_over_a_dead_claimant_lists_nothing_per_node(tmp_path: Path) -> N
     nodes a formation that never ended on a loaded machine)."""
 
     def dead_claimant() -> None:
-        (next((tmp_path / "run").glob("epoch.*")) / "intents" / ".merge.0").mkdir(mode=0o700)
+        (next((tmp_path / "run").glob("era.*")) / "intents" / ".merge.0").mkdir(mode=0o700)
 
     started = time.monotonic()
     ranks, ops = _form_in_threads(tmp_path, 64, before=dead_claimant)
@@ -112,7 +112,7 @@ def test_merge_claims_stay_bounded_over_rounds(tmp_path: Path) -> None:
             check_world(rdzv_all(made), 3)
             for node in made:
                 node.call("leave")
-        intents = next((tmp_path / "run").glob("epoch.*")) / "intents"
+        intents = next((tmp_path / "run").glob("era.*")) / "intents"
         names = [p.name for p in intents.iterdir()]
         assert len([n for n in names if n.startswith(".merge.")]) <= 3, names
         assert [n for n in names if not n.startswith(".")] == [], names

@@ -1,4 +1,4 @@
-"""Directory safety, epochs (requeue safety) and option parsing, in one process."""
+"""Directory safety, eras (requeue safety) and option parsing, in one process."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from slurm_elastic.rendezvous.state import State, decode_state, encode_state
 
 
 def _close(run: RunDirectory, number: int) -> None:
-    backend = run.epoch(number).backend()
+    backend = run.era(number).backend()
     current = backend.get_state()
     state = decode_state(current[0]) if current else State()
     state.closed = True
@@ -26,7 +26,7 @@ def _close(run: RunDirectory, number: int) -> None:
 
 
 def _touch_state(run: RunDirectory, number: int) -> None:
-    run.epoch(number).backend().set_state(encode_state(State()), None)
+    run.era(number).backend().set_state(encode_state(State()), None)
 
 
 def test_group_writable_root_is_refused_with_the_fix(tmp_path: Path) -> None:
@@ -56,8 +56,8 @@ def test_root_owned_by_another_user_is_refused(tmp_path: Path) -> None:
 
 def test_directories_are_created_private(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path / "new" / "rdzv", "my job/1")
-    epoch = run.select_epoch(Incarnation("g", "k"))
-    for d in (run.root, run.path, epoch.path, epoch.hb_dir, epoch.keys_dir):
+    era = run.select_era(Incarnation("g", "k"))
+    for d in (run.root, run.path, era.path, era.hb_dir, era.keys_dir):
         assert d.stat().st_mode & 0o777 == 0o700, d
     assert run.path.name == safe_component("my job/1") and "/" not in run.path.name
 
@@ -68,55 +68,55 @@ def test_unsafe_run_ids_map_to_distinct_safe_names() -> None:
     assert all("/" not in n and not n.startswith(".") for n in names)
 
 
-def test_same_generation_joins_the_open_epoch(tmp_path: Path) -> None:
+def test_same_generation_joins_the_open_era(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path, "run")
-    e1 = run.select_epoch(Incarnation("array-7", "8.0"))
+    e1 = run.select_era(Incarnation("array-7", "8.0"))
     _touch_state(run, e1.number)
-    e2 = run.select_epoch(Incarnation("array-7", "9.1"))  # another (requeued) task
+    e2 = run.select_era(Incarnation("array-7", "9.1"))  # another (requeued) task
     assert e2.number == e1.number
 
 
-def test_open_epoch_of_another_generation_is_not_joined(tmp_path: Path) -> None:
-    # A short liveness window: the old epoch is watched for activity that long (this
+def test_open_era_of_another_generation_is_not_joined(tmp_path: Path) -> None:
+    # A short liveness window: the old era is watched for activity that long (this
     # test is not about the window; tests/rendezvous/test_damage_and_identity.py is).
     run = RunDirectory(tmp_path, "run", liveness_window_s=0.5)
-    e1 = run.select_epoch(Incarnation("job-5.0", "5.0"))
+    e1 = run.select_era(Incarnation("job-5.0", "5.0"))
     _touch_state(run, e1.number)
-    e2 = run.select_epoch(Incarnation("job-5.1", "5.1"))  # the requeued job
+    e2 = run.select_era(Incarnation("job-5.1", "5.1"))  # the requeued job
     assert e2.number == e1.number + 1
 
 
-def test_closed_epoch_raises_for_its_own_incarnation_only(tmp_path: Path) -> None:
+def test_closed_era_raises_for_its_own_incarnation_only(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path, "run")
-    e1 = run.select_epoch(Incarnation("array-7", "8.0"))
+    e1 = run.select_era(Incarnation("array-7", "8.0"))
     _close(run, e1.number)
     with pytest.raises(RendezvousClosedError, match="closed by this job"):
-        run.select_epoch(Incarnation("array-7", "8.0"))
-    e2 = run.select_epoch(Incarnation("array-7", "8.1"))  # the task requeued
+        run.select_era(Incarnation("array-7", "8.0"))
+    e2 = run.select_era(Incarnation("array-7", "8.1"))  # the task requeued
     assert e2.number == e1.number + 1
-    assert run.select_epoch(Incarnation("array-7", "9.0")).number == e2.number
+    assert run.select_era(Incarnation("array-7", "9.0")).number == e2.number
 
 
-def test_old_epochs_are_collected(tmp_path: Path) -> None:
+def test_old_eras_are_collected(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path, "run", liveness_window_s=0.5)  # each old one is watched
 
     for i in range(6):
-        e = run.select_epoch(Incarnation(f"job-{i}", f"{i}.0"))
+        e = run.select_era(Incarnation(f"job-{i}", f"{i}.0"))
         _touch_state(run, e.number)
-    epochs = sorted(p.name for p in run.path.iterdir() if p.name.startswith("epoch."))
-    assert epochs == ["epoch.4", "epoch.5", "epoch.6"]
+    eras = sorted(p.name for p in run.path.iterdir() if p.name.startswith("era."))
+    assert eras == ["era.4", "era.5", "era.6"]
 
 
-def test_malformed_epoch_metadata_is_skipped_with_a_warning(
+def test_malformed_era_metadata_is_skipped_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = RunDirectory(tmp_path, "run")
-    e1 = run.select_epoch(Incarnation("g", "k"))
+    e1 = run.select_era(Incarnation("g", "k"))
     (e1.path / "meta").write_text("{not json")
     with caplog.at_level(logging.WARNING):
-        e2 = run.select_epoch(Incarnation("g", "k"))
+        e2 = run.select_era(Incarnation("g", "k"))
     assert e2.number == e1.number + 1
-    assert "malformed rendezvous epoch metadata" in caplog.text
+    assert "malformed rendezvous era metadata" in caplog.text
 
 
 def test_incarnation_from_slurm_environment() -> None:
@@ -169,13 +169,13 @@ def test_registered_in_torchs_registry(tmp_path: Path) -> None:
     assert handler.get_backend() == "slurm"
 
 
-def _count_epoch_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record each temporary epoch an agent builds (a spy: the real method runs)."""
+def _count_era_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each temporary era an agent builds (a spy: the real method runs)."""
     built: list[str] = []
     real = SafeDir.tmp_name
 
     def spy(self: SafeDir, stem: str) -> str:
-        if stem.startswith("epoch."):
+        if stem.startswith("era."):
             built.append(stem)
         return real(self, stem)
 
@@ -183,12 +183,12 @@ def _count_epoch_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return built
 
 
-def test_agents_starting_at_once_build_one_epoch(
+def test_agents_starting_at_once_build_one_era(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 1,024 agents of a fresh run starting at once each built an epoch to throw away
+    # 1,024 agents of a fresh run starting at once each built an era to throw away
     # (and listed a run directory full of them): the formation's set-up took 1-4 s.
-    built = _count_epoch_builds(monkeypatch)
+    built = _count_era_builds(monkeypatch)
     n = 32
     barrier = threading.Barrier(n)
     numbers: list[int] = []
@@ -196,7 +196,7 @@ def test_agents_starting_at_once_build_one_epoch(
     def agent(i: int) -> None:
         run = RunDirectory(tmp_path, "run")
         barrier.wait()
-        numbers.append(run.select_epoch(Incarnation("array-7", f"{i}.0")).number)
+        numbers.append(run.select_era(Incarnation("array-7", f"{i}.0")).number)
 
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
     for t in threads:
@@ -204,16 +204,27 @@ def test_agents_starting_at_once_build_one_epoch(
     for t in threads:
         t.join(60)
     assert numbers == [1] * n
-    assert len(built) <= 2, f"{len(built)} of {n} agents built epoch 1"
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch.1"]
+    assert len(built) <= 2, f"{len(built)} of {n} agents built era 1"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["era.1"]
 
 
-def test_an_epoch_claimed_by_a_dead_agent_is_created_by_the_next(
+def test_an_era_claimed_by_a_dead_agent_is_created_by_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    built = _count_epoch_builds(monkeypatch)
+    built = _count_era_builds(monkeypatch)
     run = RunDirectory(tmp_path, "run")
     (tmp_path / "run" / ".create.1").mkdir(mode=0o700)  # claimed, then the claimant died
-    epoch = run.select_epoch(Incarnation("array-7", "0.0"))
-    assert (epoch.number, built) == (1, ["epoch.1"])
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch.1"]
+    era = run.select_era(Incarnation("array-7", "0.0"))
+    assert (era.number, built) == (1, ["era.1"])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["era.1"]
+
+
+def test_a_run_directory_of_the_earlier_version_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """Before 2026-12-03 an era was named ``epoch.<k>`` (the word meant the training
+    epoch too). An agent of this version must not open a second state beside the live
+    agents of the earlier one: it refuses, naming the directory and the fix."""
+    run = RunDirectory(tmp_path / "rdzv", "run")
+    (run.path / "epoch.3").mkdir(mode=0o700)
+    with pytest.raises(RendezvousSetupError, match=r"epoch\.3.*another --rdzv-id"):
+        run.select_era(Incarnation("g", "k"))
+    assert sorted(p.name for p in run.path.iterdir()) == ["epoch.3"]

@@ -68,9 +68,9 @@ def test_every_directory_is_0700_under_a_permissive_umask_in_a_setgid_parent(
         h = create_handler(_params(), environ={"SLURM_SUBMIT_DIR": str(project)})
     finally:
         os.umask(old)
-    epoch = h.epoch.path
+    era = h.era.path
     dirs = [project / ".slurm_elastic", project / ".slurm_elastic" / "rdzv"]
-    dirs += [epoch.parent, epoch, epoch / "hb", epoch / "keys", epoch / "seg.0"]
+    dirs += [era.parent, era, era / "hb", era / "keys", era / "seg.0"]
     for d in dirs:
         assert os.lstat(d).st_mode & 0o7777 == 0o700, (d, oct(os.lstat(d).st_mode))
 
@@ -106,12 +106,12 @@ def test_a_swap_after_the_check_cannot_redirect_reads_or_writes(
     worker-store address: running agents keep using theirs; new ones refuse it."""
     root = project / ".slurm_elastic" / "rdzv"
     run = RunDirectory(root, "r", anchor=root.parent)
-    epoch = run.select_epoch(Incarnation("g", "k"))
-    epoch.publish_store(0, "node", "10.0.0.1", 1234)
+    era = run.select_era(Incarnation("g", "k"))
+    era.publish_store(0, "node", "10.0.0.1", 1234)
 
     def swap() -> None:
         os.rename(project / ".slurm_elastic", project / ".moved")
-        fake = project / ".slurm_elastic" / "rdzv" / "r" / f"epoch.{epoch.number}"
+        fake = project / ".slurm_elastic" / "rdzv" / "r" / f"era.{era.number}"
         fake.mkdir(parents=True)
         (fake / "store").write_text(
             json.dumps({"round": 0, "node": "node", "addr": "6.6.6.6", "port": 666})
@@ -120,10 +120,10 @@ def test_a_swap_after_the_check_cannot_redirect_reads_or_writes(
     # Our own tree is 0700, so the other user can only rename it from the group-
     # writable project directory; grant nothing else.
     other.run(swap)
-    rec = epoch.read_store()
+    rec = era.read_store()
     assert rec is not None and rec["addr"] == "10.0.0.1"  # not the planted 6.6.6.6
-    epoch.publish_store(1, "node", "10.0.0.2", 1235)  # writes land in our tree
-    assert json.loads((project / ".moved" / "rdzv" / "r" / f"epoch.{epoch.number}" / "store")
+    era.publish_store(1, "node", "10.0.0.2", 1235)  # writes land in our tree
+    assert json.loads((project / ".moved" / "rdzv" / "r" / f"era.{era.number}" / "store")
                       .read_text())["addr"] == "10.0.0.2"  # fmt: skip
     with pytest.raises(RendezvousSetupError, match="owned by uid"):
         RunDirectory(root, "r", anchor=root.parent)

@@ -26,4 +26,4 @@ def test_churn_soak_keeps_one_linear_history(tmp_path: Path) -> None:
     # Nothing grows with churn: at most one file per agent alive at the end.
     dirs = result["dirs"]
     assert dirs["keys"] == 0 and dirs["hb"] <= 6 and dirs["intents"] <= 6, dirs
-    assert dirs["segments"] <= 2 and dirs["merge_claims"] <= 3 and dirs["epochs"] <= 3, dirs
+    assert dirs["segments"] <= 2 and dirs["merge_claims"] <= 3 and dirs["eras"] <= 3, dirs
