@@ -62,9 +62,7 @@ def create_handler(
         anchor=anchor,
         liveness_window_s=options.heartbeat_interval_s * options.heartbeat_miss_limit,
     )
-    incarnation = Incarnation.from_environ(
-        env, generation=options.generation, key=options.incarnation
-    )
+    incarnation = Incarnation.from_environ(env, cohort=options.cohort, key=options.incarnation)
     era = run_dir.select_era(incarnation)
     local_addr = resolve_local_addr(options.local_addr, options.interface, env)
     log.debug(

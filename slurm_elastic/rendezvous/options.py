@@ -18,7 +18,8 @@ store_timeout                timeout of the per-round TCPStore (s)         120
 store_port                   port of the per-round TCPStore (0: any)       0
 interface                    network interface whose IPv4 to advertise     (none)
 local_addr                   address to advertise (also ``--local-addr``)  (derived)
-generation / incarnation     override the requeue identities               (derived)
+cohort / incarnation         override the requeue identities               (derived)
+  (alias generation)         (``cohort``: who may join an open era)
 successors                   ring successors each node watches             2
 reform_grace                 re-formation: wait this long after min_nodes  0.5
                              joined, then complete once the wait list is
@@ -69,6 +70,7 @@ _NAMES = (
     "store_port",
     "interface",
     "local_addr",
+    "cohort",
     "generation",
     "incarnation",
     "successors",
@@ -161,7 +163,7 @@ class RendezvousOptions:
     store_port: int = 0
     interface: str | None = None
     local_addr: str | None = field_default("local_addr")
-    generation: str | None = None
+    cohort: str | None = None
     incarnation: str | None = None
     successors: int = 2
     reform_grace_s: float = 0.5
@@ -210,7 +212,7 @@ class RendezvousOptions:
             store_port=_int(params, d.store_port, "store_port", rule=_at_least(0)),
             interface=_str(params, "interface"),
             local_addr=params.local_addr or _str(params, "local_addr"),
-            generation=_str(params, "generation"),
+            cohort=_str(params, "cohort", "generation"),
             incarnation=_str(params, "incarnation"),
             successors=_int(params, d.successors, "successors", rule=_at_least(1)),
             reform_grace_s=_float(params, d.reform_grace_s, "reform_grace", rule=_at_least(0.0)),

@@ -5,7 +5,7 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
     <root>/                     0700, owned by the user (checked)
       <run_id>/                 one per run id: two runs may share a root
         era.<k>/              one per *era*: a state that agents may join
-          meta                  JSON: generation (who may join), created_by, Slurm job
+          meta                  JSON: cohort (who may join), created_by, Slurm job
           head, seg.<k>/state.<n>  the rendezvous state (see backend.py)
           hb/<node>             heartbeat counters (see heartbeat.py)
           intents/<node>        join intents (see join_intents.py)
@@ -14,14 +14,14 @@ Layout under the rendezvous root (the ``--rdzv-endpoint`` directory)::
 
 **Requeue safety.** Two identities come from Slurm (:class:`Incarnation`):
 
-* ``generation`` says who may *join an open era*: for a plain (multi-node) job it is
+* ``cohort`` says who may *join an open era*: for a plain (multi-node) job it is
   ``<job_id>.<restart_count>``, so a requeued or resubmitted job never joins the state
   of an earlier run (whose members are dead); for an array task it is the array job id,
   so a requeued task rejoins the running tasks of its array (the run is not reset).
 * ``key`` identifies this allocation: ``<SLURM_JOB_ID>.<restart_count>``.
 
-A starting agent takes the newest era when it is open with its generation (an open
-era of *another* generation that is still live, judged by its heartbeats over one
+A starting agent takes the newest era when it is open with its cohort (an open
+era of *another* cohort that is still live, judged by its heartbeats over one
 liveness window, makes it fail with :class:`RunIdInUseError`: two jobs never share one);
 when the era is *closed* it raises :class:`RendezvousClosedError` if its own key took
 part in that era (a late agent of a finished job), and otherwise opens a new era:
@@ -83,11 +83,11 @@ class Incarnation:
     """Who this agent is, for requeue safety.
 
     Attributes:
-        generation: agents with equal generation may join each other's open era.
+        cohort: agents with equal cohort may join each other's open era.
         key: this allocation (job id + restart count); closes are tied to it.
     """
 
-    generation: str
+    cohort: str
     key: str
     job: dict[str, Any] | None = field(default=None, compare=False)
     #: Whether the key can recur (a later agent of the same allocation): only then is
@@ -99,12 +99,12 @@ class Incarnation:
         cls,
         environ: Mapping[str, str],
         *,
-        generation: str | None = None,
+        cohort: str | None = None,
         key: str | None = None,
     ) -> Incarnation:
         """Derive the incarnation from ``SLURM_*`` variables (explicit values win).
 
-        Outside Slurm the generation is ``"local"`` (agents of one run id join each
+        Outside Slurm the cohort is ``"local"`` (agents of one run id join each
         other) and the key is unique per process (a closed run never blocks a new one).
         """
         from slurm_elastic.slurm.env import SlurmEnv
@@ -114,7 +114,7 @@ class Incarnation:
         recorded = True
         if env.in_slurm:
             own = f"{env.job_id}.{env.restart_count}"
-            derived_gen = f"array-{env.array_job_id}" if env.array_job_id else f"job-{own}"
+            derived_cohort = f"array-{env.array_job_id}" if env.array_job_id else f"job-{own}"
             derived_key = own
             job = {
                 "id": str(env.array_job_id or env.job_id),
@@ -122,10 +122,10 @@ class Incarnation:
                 "restart": int(env.restart_count),
             }
         else:
-            derived_gen = "local"
+            derived_cohort = "local"
             derived_key = f"local-{uuid.uuid4().hex}"
             recorded = key is not None
-        return cls(generation or derived_gen, key or derived_key, job, recorded)
+        return cls(cohort or derived_cohort, key or derived_key, job, recorded)
 
 
 class Era:
@@ -191,7 +191,7 @@ class Era:
         except (OSError, ValueError) as exc:
             log.warning("ignoring malformed rendezvous era metadata in %s: %s", self.path, exc)
             return None
-        if not isinstance(meta, dict) or not isinstance(meta.get("generation"), str):
+        if not isinstance(meta, dict) or not isinstance(meta.get("cohort"), str):
             log.warning("ignoring malformed rendezvous era metadata in %s", self.path)
             return None
         return meta
@@ -265,7 +265,7 @@ class Era:
     def activity(self) -> tuple[Any, ...]:
         """A snapshot that changes while any agent is active in this era.
 
-        The newest state generation and every heartbeat counter: a live member beats
+        The newest state generation (the compare-and-set token) and every heartbeat counter: a live member beats
         every heartbeat interval, so two snapshots one liveness window apart differ
         if (and only if, barring a stall that long) a member is alive.
         """
@@ -374,7 +374,7 @@ class RunDirectory:
                 tmp.subdir("intents").close()
                 init_state_dir(tmp)
                 meta = {
-                    "generation": incarnation.generation,
+                    "cohort": incarnation.cohort,
                     "created_by": incarnation.key,
                     "job": incarnation.job,
                     "liveness_window_s": self._liveness_window_s,
@@ -390,17 +390,17 @@ class RunDirectory:
         finally:
             self.dir.rmdir(claim)  # ours, or a dead claimant's: settled either way
         log.info(
-            "rendezvous run %r: opened era %d for generation %s",
+            "rendezvous run %r: opened era %d for cohort %s",
             self.run_id,
             number,
-            incarnation.generation,
+            incarnation.cohort,
         )
         for old in self._eras():
             if old < number - 2:
                 self.dir.rmtree(f"era.{old}")
 
     def _foreign_is_live(self, era: Era, meta: dict[str, Any], me: Incarnation) -> bool:
-        """Whether the open era of another generation still has live agents."""
+        """Whether the open era of another cohort still has live agents."""
         theirs = meta.get("job")
         if isinstance(theirs, dict) and me.job is not None:
             same_job = theirs.get("id") == me.job.get("id") and theirs.get("id") is not None
@@ -453,12 +453,12 @@ class RunDirectory:
                     )
                 self._create(era.number + 1, incarnation)
                 continue
-            if meta["generation"] != incarnation.generation:
+            if meta["cohort"] != incarnation.cohort:
                 if self._foreign_is_live(era, meta, incarnation):
                     raise RunIdInUseError(
                         f"rendezvous run id {self.run_id!r} is in use by another live job "
                         f"({_describe(meta)}; era {str(era.path)!r}), not by this one "
-                        f"({incarnation.generation}). Two jobs must not share a run id: "
+                        f"({incarnation.cohort}). Two jobs must not share a run id: "
                         "give this job another --rdzv-id (run_id), or stop the other job"
                     )
                 log.info(
@@ -466,8 +466,8 @@ class RunDirectory:
                     "opening a new one",
                     self.run_id,
                     era.number,
-                    meta["generation"],
-                    incarnation.generation,
+                    meta["cohort"],
+                    incarnation.cohort,
                 )
                 self._create(era.number + 1, incarnation)
                 continue
@@ -483,5 +483,5 @@ class RunDirectory:
 def _describe(meta: dict[str, Any]) -> str:
     job = meta.get("job")
     if isinstance(job, dict) and job.get("id") is not None:
-        return f"Slurm job {job.get('id')}, generation {meta['generation']}"
-    return f"generation {meta['generation']}"
+        return f"Slurm job {job.get('id')}, cohort {meta['cohort']}"
+    return f"cohort {meta['cohort']}"

@@ -68,7 +68,7 @@ def test_unsafe_run_ids_map_to_distinct_safe_names() -> None:
     assert all("/" not in n and not n.startswith(".") for n in names)
 
 
-def test_same_generation_joins_the_open_era(tmp_path: Path) -> None:
+def test_same_cohort_joins_the_open_era(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path, "run")
     e1 = run.select_era(Incarnation("array-7", "8.0"))
     _touch_state(run, e1.number)
@@ -76,7 +76,7 @@ def test_same_generation_joins_the_open_era(tmp_path: Path) -> None:
     assert e2.number == e1.number
 
 
-def test_open_era_of_another_generation_is_not_joined(tmp_path: Path) -> None:
+def test_open_era_of_another_cohort_is_not_joined(tmp_path: Path) -> None:
     # A short liveness window: the old era is watched for activity that long (this
     # test is not about the window; tests/rendezvous/test_damage_and_identity.py is).
     run = RunDirectory(tmp_path, "run", liveness_window_s=0.5)
@@ -127,7 +127,7 @@ def test_incarnation_from_slurm_environment() -> None:
     )
     assert array == Incarnation("array-40", "43.0")
     a, b = Incarnation.from_environ({}), Incarnation.from_environ({})
-    assert a.generation == b.generation == "local" and a.key != b.key
+    assert a.cohort == b.cohort == "local" and a.key != b.key
 
 
 def test_options_parse_strings_aliases_and_reject_bad_values() -> None:
@@ -228,3 +228,14 @@ def test_a_run_directory_of_the_earlier_version_is_refused_with_the_fix(tmp_path
     with pytest.raises(RendezvousSetupError, match=r"epoch\.3.*another --rdzv-id"):
         run.select_era(Incarnation("g", "k"))
     assert sorted(p.name for p in run.path.iterdir()) == ["epoch.3"]
+
+
+def test_the_cohort_option_and_its_earlier_name_both_set_who_may_join(tmp_path: Path) -> None:
+    """``generation`` meant two things (the state's compare-and-set token and the join
+    group); the join group is now ``cohort``, and the earlier key still works."""
+    for key in ("cohort", "generation"):
+        params = RendezvousParameters(
+            backend="slurm", endpoint=str(tmp_path / "rdzv"), run_id="run",
+            min_nodes=1, max_nodes=1, **{key: "array-7"},
+        )  # fmt: skip
+        assert RendezvousOptions.from_parameters(params).cohort == "array-7"
