@@ -160,7 +160,7 @@ def _match_optimizer(
     for i, (g, mine, live) in enumerate(
         zip(groups, own["param_groups"], optimizer.param_groups, strict=True)
     ):
-        if not isinstance(g, Mapping) or list(g.get("params", ())) != list(mine["params"]):
+        if not isinstance(g, Mapping) or g.get("params") != mine["params"]:
             raise refuse(f"{name}.param_groups[{i}]", "different parameters")
         params.update(zip(mine["params"], live["params"], strict=True))
     entries = got["state"]
