@@ -215,7 +215,9 @@ def test_a_waiting_interpreter_shows_the_workers_command_and_serves_only_it(
     warm = _warm(1, "-u", str(probe), "planned")
     (pid,) = warm.pids()
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        # read once the child has exec'd (before that its cmdline can be empty)
+        raw = wait_for(lambda: Path(f"/proc/{pid}/cmdline").read_bytes() or None, 30, "cmdline")
+        cmdline = raw.split(b"\0")
         assert [c.decode() for c in cmdline[-3:-1]] == [str(probe), "planned"]  # ps, pgrep -f
         pc = _start(tmp_path, "other", ("-u", str(probe), "other"), warm, nproc=1)
         assert pc.pids()[0] != pid and not _reports(pc)[0]["preloaded"]
