@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 
 from slurm_elastic.checkpoint import CheckpointManager
+from slurm_elastic.checkpoint.staging import state_nbytes
 
 MiB = 1 << 20
 
@@ -179,7 +180,7 @@ def run_format(nbytes: int, root: Path, repeat: int) -> list[dict[str, object]]:
     model(torch.randn(4, model[0].in_features)).square().mean().backward()
     opt.step()
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": {"step": 1}}
-    size_mib = state_mib(state)
+    size_mib = state_nbytes(state) / MiB  # the project's own count of a tree's bytes
     d = root / f"format{round(size_mib)}"
     (d / "st").mkdir(parents=True)
     mgr = CheckpointManager(d / "ours", keep_last=None)
@@ -231,20 +232,6 @@ def run_format(nbytes: int, root: Path, repeat: int) -> list[dict[str, object]]:
         }
         for case, ours, base, op, target, unit in rows
     ]
-
-
-def state_mib(state: object) -> float:
-    total = 0
-    stack = [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            total += item.numel() * item.element_size()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return total / MiB
 
 
 def raw_read(path: Path) -> None:
