@@ -56,7 +56,7 @@ import torch
 
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import crc32, crc32_mapping
-from slurm_elastic.checkpoint.trust import CheckedDir, open_data_file, read_error
+from slurm_elastic.checkpoint.trust import CheckpointDir, open_data_file, read_error
 from slurm_elastic.errors import CheckpointCorruptError, UnsupportedStateError
 
 __all__ = [
@@ -329,7 +329,7 @@ def write_container(
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _open_checked(path: Path, expected_size: int, at: CheckedDir | None) -> tuple[int, int]:
+def _open_checked(path: Path, expected_size: int, at: CheckpointDir | None) -> tuple[int, int]:
     """Open ``path`` (no links; through the held directory ``at`` when given: ours and
     private, checked on the open descriptor) and check it has the recorded size."""
     fd = open_data_file(path, at)
@@ -384,7 +384,7 @@ def read_container(
     expected_size: int,
     expected_crc: int,
     use_mmap: bool,
-    at: CheckedDir | None = None,
+    at: CheckpointDir | None = None,
 ) -> Parsed:
     """Read, verify (size and CRC32 against the manifest record), then parse ``path``.
 

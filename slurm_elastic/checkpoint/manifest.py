@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic.checkpoint import _faults
-from slurm_elastic.checkpoint.trust import CheckedDir, UntrustedCheckpointError, read_error
+from slurm_elastic.checkpoint.trust import CheckpointDir, UntrustedCheckpointError, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
 from slurm_elastic.privatefs import write_new
 
@@ -427,7 +427,7 @@ def _open_by_path(path: Path) -> int:
         raise
 
 
-def read_manifest(directory: Path, *, at: CheckedDir | None = None) -> Manifest:
+def read_manifest(directory: Path, *, at: CheckpointDir | None = None) -> Manifest:
     """Read and check the manifest of a committed checkpoint directory.
 
     The manifest must be a regular file (not a link, FIFO or directory) of sane size, and
@@ -527,7 +527,7 @@ def verify_checkpoint(
     *,
     deep: bool = True,
     on_progress: Callable[[str], None] | None = None,
-    at: CheckedDir | None = None,
+    at: CheckpointDir | None = None,
 ) -> Manifest:
     """Check that a committed checkpoint is complete and intact.
 
@@ -535,7 +535,7 @@ def verify_checkpoint(
         directory: a ``step_<N>`` directory.
         deep: also recompute every file's CRC32 (reads all data); otherwise check sizes only.
         on_progress: called with each file name before it is checked (for tests/logging).
-        at: ``directory`` held and checked (:class:`~slurm_elastic.checkpoint.trust.CheckedDir`):
+        at: ``directory`` held and checked (:class:`~slurm_elastic.checkpoint.trust.CheckpointDir`):
             the manifest and every data file are opened relative to it, without following
             links, and must be ours and not writable by others (what is checked is what
             is read). ``None``: opened by path, no ownership check.

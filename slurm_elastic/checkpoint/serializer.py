@@ -46,7 +46,7 @@ from slurm_elastic.checkpoint.container import (
 from slurm_elastic.checkpoint.manifest import FileRecord, crc32, crc32_fd
 from slurm_elastic.checkpoint.staging import state_nbytes
 from slurm_elastic.checkpoint.trust import (
-    CheckedDir,
+    CheckpointDir,
     CheckpointReadError,
     open_data_file,
     read_error,
@@ -279,7 +279,7 @@ def read_state(
     *,
     weights_only: bool,
     mmap: bool | None,
-    at: CheckedDir | None = None,
+    at: CheckpointDir | None = None,
 ) -> Any:
     """Load the data file ``record`` of a checkpoint whose trust and sizes the store checked.
 

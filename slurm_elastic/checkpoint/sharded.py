@@ -9,7 +9,7 @@ load reshards to whatever world size and placement the live ``state_dict`` has.
 Both calls are collective: every rank must call them, with a process group initialized.
 
 Loading reads what was verified: every rank opens the checkpoint directory and
-``step_<N>`` through held descriptors (:class:`~slurm_elastic.checkpoint.trust.CheckedDir`:
+``step_<N>`` through held descriptors (:class:`~slurm_elastic.checkpoint.trust.CheckpointDir`:
 no links, ours, not writable by others, this run's), checks that it holds the manifest
 rank 0 verified, and DCP is pointed at ``/proc/self/fd/<fd>`` of that held directory: a
 neighbour renaming directories meanwhile cannot make DCP unpickle their ``.metadata``.
@@ -37,7 +37,7 @@ from slurm_elastic.checkpoint.manager import CheckpointManager, failure_message,
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
 from slurm_elastic.checkpoint.store import CheckpointInfo, checked_metadata, checked_step
 from slurm_elastic.checkpoint.transaction import SaveTransaction, describe_os_error, newest
-from slurm_elastic.checkpoint.trust import CheckedDir, read_error
+from slurm_elastic.checkpoint.trust import CheckpointDir, read_error
 from slurm_elastic.errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -207,7 +207,7 @@ def load_sharded(
     chosen: int | None = None
     identity: int | None = None
     failure: CheckpointError | None = None
-    held: CheckedDir | None = None
+    held: CheckpointDir | None = None
     try:
         if rank == 0:
             try:
@@ -264,12 +264,12 @@ def load_sharded(
 
 def _choose(
     manager: CheckpointManager, step: int | None
-) -> tuple[int | None, int | None, CheckedDir | None]:
+) -> tuple[int | None, int | None, CheckpointDir | None]:
     """Rank 0: the newest verified sharded checkpoint (or ``step``), its fingerprint and
     its held directory (kept for the load: what was verified is what DCP reads)."""
     store = manager.store
 
-    def read(info: CheckpointInfo) -> tuple[int, int, CheckedDir] | None:
+    def read(info: CheckpointInfo) -> tuple[int, int, CheckpointDir] | None:
         held = store.open_checkpoint(info.step)  # a link raises: never read through
         try:
             # every file (DCP's pickled .metadata included): owner, mode, CRC32, run,

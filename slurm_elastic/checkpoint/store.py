@@ -41,7 +41,6 @@ Hostile neighbours (see :mod:`slurm_elastic.checkpoint.trust`):
 from __future__ import annotations
 
 import builtins
-import errno
 import logging
 import os
 import shutil
@@ -75,8 +74,7 @@ from slurm_elastic.checkpoint.manifest import (
     write_manifest,
 )
 from slurm_elastic.checkpoint.trust import (
-    CheckedDir,
-    check_private,
+    CheckpointDir,
     check_run,
     make_private_dir,
     read_error,
@@ -115,7 +113,7 @@ class CheckpointStore:
     """One run's checkpoint directory: temporary names, commit, listing, retention, verify.
 
     Every check and read goes through held directory descriptors
-    (:class:`~slurm_elastic.checkpoint.trust.CheckedDir`): the checkpoint directory is
+    (:class:`~slurm_elastic.checkpoint.trust.CheckpointDir`): the checkpoint directory is
     opened and checked once per operation, and everything in it is opened relative to it
     without following links.
 
@@ -160,7 +158,7 @@ class CheckpointStore:
         return leftover_name(prefix, step, self._host)
 
     # ------------------------------------------------------------------ the held directory
-    def open_root(self) -> CheckedDir:
+    def open_root(self) -> CheckpointDir:
         """Open and check the checkpoint directory (ours, not writable by others).
 
         Raises:
@@ -170,13 +168,13 @@ class CheckpointStore:
             CheckpointReadError: it cannot be opened (I/O, permission, open files).
         """
         try:
-            return CheckedDir.open(self.directory, follow=True)
+            return CheckpointDir.open_checked(self.directory, follow=True)
         except (FileNotFoundError, CheckpointError):
             raise
         except OSError as exc:
             raise read_error(exc, f"checkpoint directory {self.directory}") from exc
 
-    def open_checkpoint(self, step: int) -> CheckedDir:
+    def open_checkpoint(self, step: int) -> CheckpointDir:
         """Open and check committed checkpoint ``step`` through the held checkpoint
         directory (never through a link); the caller closes it.
 
@@ -220,15 +218,12 @@ class CheckpointStore:
     # ------------------------------------------------------------------ leftovers
     def _entries(self) -> builtins.list[str]:
         try:
-            return os.listdir(self.directory)
+            with self.open_root() as root:
+                return root.listdir()
         except FileNotFoundError:
             return []
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                check_private(self.directory, directory=True, follow=True)  # clear message
-            raise
 
-    def _writer_dead(self, name: str, root: CheckedDir | None = None) -> bool:
+    def _writer_dead(self, name: str, root: CheckpointDir | None = None) -> bool:
         def newest_mtime(entry: str) -> float:
             if root is not None:
                 return root.newest_mtime(entry)
@@ -265,15 +260,15 @@ class CheckpointStore:
         with root:
             return self._recover(root)
 
-    def _recover(self, root: CheckedDir) -> builtins.list[int]:
+    def _recover(self, root: CheckpointDir) -> builtins.list[int]:
         recovered = []
-        for name in sorted(root.names()):
+        for name in sorted(root.listdir()):
             step = replaced_step(name)
             if step is None:
                 continue
             final = step_dir_name(step)
             path = self.directory / name
-            if final in root.names() or not self._writer_dead(name, root):
+            if final in root.listdir() or not self._writer_dead(name, root):
                 continue
             try:
                 with root.open_dir(name) as aside:  # never through a link
@@ -308,9 +303,9 @@ class CheckpointStore:
             self._recover(root)
             return self._remove_stale(root)
 
-    def _remove_stale(self, root: CheckedDir) -> builtins.list[Path]:
+    def _remove_stale(self, root: CheckpointDir) -> builtins.list[Path]:
         remaining = []
-        for name in sorted(n for n in root.names() if n.startswith(LEFTOVER_PREFIXES)):
+        for name in sorted(n for n in root.listdir() if n.startswith(LEFTOVER_PREFIXES)):
             path = self.directory / name
             if not self._writer_dead(name, root):
                 remaining.append(path)
@@ -318,7 +313,7 @@ class CheckpointStore:
             if not name.startswith(TRASH_PREFIX):
                 log.warning("removing %s, left by an interrupted checkpoint save", path)
             try:
-                root.remove(name)
+                root.remove_tree(name)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -383,14 +378,14 @@ class CheckpointStore:
                 root.rename(tmp.name, final.name)
                 root.sync()
                 try:
-                    root.remove(aside)
+                    root.remove_tree(aside)
                 except OSError as exc:
                     log.warning("cannot remove the old copy %s: %s", self.directory / aside, exc)
         self._active.discard(tmp.name)
         _faults.point("after_commit")
         return final
 
-    def _say_replaced(self, root: CheckedDir, final: Path, new: Manifest, aside: Path) -> None:
+    def _say_replaced(self, root: CheckpointDir, final: Path, new: Manifest, aside: Path) -> None:
         """Log (and emit) what a re-save of ``final`` replaces; refuse another run's."""
         try:
             with root.open_dir(final.name) as held:
@@ -450,9 +445,9 @@ class CheckpointStore:
         with root:
             return self._list(root)
 
-    def _list(self, root: CheckedDir) -> builtins.list[CheckpointInfo]:
+    def _list(self, root: CheckpointDir) -> builtins.list[CheckpointInfo]:
         infos: builtins.list[CheckpointInfo] = []
-        for name in root.names():
+        for name in root.listdir():
             step = parse_step_dir(name)
             if step is None:
                 continue
@@ -519,7 +514,7 @@ class CheckpointStore:
                 self.run_id,
             )
 
-    def _remove_checkpoint(self, root: CheckedDir, info: CheckpointInfo) -> None:
+    def _remove_checkpoint(self, root: CheckpointDir, info: CheckpointInfo) -> None:
         name = info.path.name
         trash = self._name(TRASH_PREFIX, info.step)
         if info.is_link:
@@ -529,13 +524,13 @@ class CheckpointStore:
         try:
             root.rename(name, trash)
             root.sync()
-            root.remove(trash, after_first=lambda: _faults.point("mid_retention"))
+            root.remove_tree(trash, after_first=lambda: _faults.point("mid_retention"))
         except OSError as exc:
             log.warning("retention could not remove %s: %s", info.path, exc)
         events.emit(events.CheckpointRemoved(step=info.step, path=str(info.path)))
 
     # ------------------------------------------------------------------ verify
-    def verify(self, step: int, *, deep: bool = True, at: CheckedDir | None = None) -> Manifest:
+    def verify(self, step: int, *, deep: bool = True, at: CheckpointDir | None = None) -> Manifest:
         """Verify committed checkpoint ``step`` (sizes; with ``deep`` every CRC32 too).
 
         The checkpoint directory, ``step_<N>``, the manifest and every data file are

@@ -52,7 +52,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from slurm_elastic.errors import RendezvousSetupError
-from slurm_elastic.rendezvous.filesystem import FS_OPS, MissingDirectoryError, SafeDir
+from slurm_elastic.rendezvous.filesystem import FS_OPS, MissingDirectoryError, RendezvousDir
 from slurm_elastic.rendezvous.state import (
     MalformedRecordError,
     State,
@@ -122,7 +122,7 @@ def _name(generation: int) -> str:
     return f"state.{generation}"
 
 
-def init_state_dir(directory: SafeDir) -> None:
+def init_state_dir(directory: RendezvousDir) -> None:
     """Create generation 0 ("no state") in a *fresh* directory (idempotent).
 
     Call it only while the directory is private to the caller (e.g. an era being
@@ -141,22 +141,22 @@ class FileRendezvousBackend(RendezvousBackend):
 
     Args:
         directory: the state directory, already initialised by
-            :func:`init_state_dir`: a checked :class:`SafeDir`, or a path (opened and
-            checked with :meth:`SafeDir.open_tree`, and initialised when empty; for
+            :func:`init_state_dir`: a checked :class:`RendezvousDir`, or a path (opened and
+            checked with :meth:`RendezvousDir.open_tree`, and initialised when empty; for
             tests and tools).
 
     Raises:
-        RendezvousSetupError: a path that is unsafe (see :class:`SafeDir`).
+        RendezvousSetupError: a path that is unsafe (see :class:`RendezvousDir`).
     """
 
-    def __init__(self, directory: SafeDir | Path | str) -> None:
-        if isinstance(directory, SafeDir):
+    def __init__(self, directory: RendezvousDir | Path | str) -> None:
+        if isinstance(directory, RendezvousDir):
             self._root = directory
         else:
-            self._root = SafeDir.open_tree(Path(directory))
+            self._root = RendezvousDir.open_tree(Path(directory))
             if not [n for n in self._root.listdir() if n.startswith("seg.")]:
                 init_state_dir(self._root)
-        self._segs: dict[int, SafeDir] = {}
+        self._segs: dict[int, RendezvousDir] = {}
         self._cached: tuple[int, bytes] | None = None
         self._last_seen = 0
         self._warned: set[str] = set()
@@ -185,7 +185,7 @@ class FileRendezvousBackend(RendezvousBackend):
 
     def _segment(
         self, generation: int, *, create: bool = False, fresh: bool = False
-    ) -> SafeDir | None:
+    ) -> RendezvousDir | None:
         """The segment directory of ``generation`` (None when missing).
 
         ``fresh`` looks the name up again instead of trusting a cached descriptor,
@@ -213,7 +213,7 @@ class FileRendezvousBackend(RendezvousBackend):
         seg = self._segment(generation, fresh=fresh)
         return seg is not None and seg.exists(_name(generation))
 
-    def _still_linked(self, seg: SafeDir, generation: int) -> bool:
+    def _still_linked(self, seg: RendezvousDir, generation: int) -> bool:
         """Whether ``seg`` is still the directory named ``seg.<k>`` (not collected)."""
         try:
             named = os.stat(_seg(generation), dir_fd=self._root.fd, follow_symlinks=False)

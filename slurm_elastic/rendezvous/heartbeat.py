@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_elastic.rendezvous.filesystem import SafeDir
+from slurm_elastic.rendezvous.filesystem import RendezvousDir
 from slurm_elastic.rendezvous.link import RECORD
 
 __all__ = ["HeartbeatMonitor", "node_file_name"]
@@ -68,7 +68,7 @@ class HeartbeatMonitor:
     """Beat for one node and judge the liveness of its ring successors.
 
     Args:
-        directory: the era's ``hb`` directory (a checked :class:`SafeDir`; a path is
+        directory: the era's ``hb`` directory (a checked :class:`RendezvousDir`; a path is
             opened and checked).
         node: this node's name (its heartbeat file name derives from it).
         interval_s: the beat and observation interval.
@@ -80,7 +80,7 @@ class HeartbeatMonitor:
 
     def __init__(
         self,
-        directory: SafeDir | Path,
+        directory: RendezvousDir | Path,
         node: str,
         *,
         interval_s: float,
@@ -89,7 +89,11 @@ class HeartbeatMonitor:
         clock: Callable[[], float] = time.monotonic,
         reader: Callable[[str], int | None] | None = None,
     ) -> None:
-        self._dir = directory if isinstance(directory, SafeDir) else SafeDir.open_tree(directory)
+        self._dir = (
+            directory
+            if isinstance(directory, RendezvousDir)
+            else RendezvousDir.open_tree(directory)
+        )
         self.node = node
         self._interval = interval_s
         self._miss_limit = miss_limit

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 
-from slurm_elastic.rendezvous.filesystem import SafeDir
+from slurm_elastic.rendezvous.filesystem import RendezvousDir
 from slurm_elastic.rendezvous.heartbeat import node_file_name
 from slurm_elastic.rendezvous.state import Node
 
@@ -38,7 +38,7 @@ class IntentBoard:
         directory: the checked ``intents`` directory of the era.
     """
 
-    def __init__(self, directory: SafeDir) -> None:
+    def __init__(self, directory: RendezvousDir) -> None:
         self._dir = directory
 
     @staticmethod

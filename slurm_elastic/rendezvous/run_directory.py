@@ -51,7 +51,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from slurm_elastic.errors import RendezvousSetupError, RunIdInUseError
 from slurm_elastic.rendezvous.backend import FileRendezvousBackend, init_state_dir
-from slurm_elastic.rendezvous.filesystem import SafeDir
+from slurm_elastic.rendezvous.filesystem import RendezvousDir
 from slurm_elastic.rendezvous.state import decode_state
 
 __all__ = ["Era", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_component"]
@@ -136,12 +136,12 @@ class Era:
         number: the era number.
     """
 
-    def __init__(self, directory: SafeDir, number: int) -> None:
+    def __init__(self, directory: RendezvousDir, number: int) -> None:
         self.dir = directory
         self.number = number
-        self._hb: SafeDir | None = None
-        self._keys: SafeDir | None = None
-        self._intents: SafeDir | None = None
+        self._hb: RendezvousDir | None = None
+        self._keys: RendezvousDir | None = None
+        self._intents: RendezvousDir | None = None
 
     @property
     def path(self) -> Path:
@@ -157,21 +157,21 @@ class Era:
         return self.path / "keys"
 
     @property
-    def hb(self) -> SafeDir:
+    def hb(self) -> RendezvousDir:
         """The heartbeat directory (opened and checked on first use)."""
         if self._hb is None:
             self._hb = self.dir.subdir("hb", create=True)
         return self._hb
 
     @property
-    def intents(self) -> SafeDir:
+    def intents(self) -> RendezvousDir:
         """The directory of join intents (opened and checked on first use)."""
         if self._intents is None:
             self._intents = self.dir.subdir("intents", create=True)
         return self._intents
 
     @property
-    def keys(self) -> SafeDir:
+    def keys(self) -> RendezvousDir:
         """The directory of incarnation keys (opened and checked on first use)."""
         if self._keys is None:
             self._keys = self.dir.subdir("keys", create=True)
@@ -290,7 +290,7 @@ class RunDirectory:
         root: the rendezvous root (created ``0700`` if missing, refused if unsafe).
         run_id: the run id (any string; mapped to a safe directory name).
         anchor: the ancestor from which every directory must be the user's (see
-            :meth:`SafeDir.open_tree`; default: derived from ownership).
+            :meth:`RendezvousDir.open_tree`; default: derived from ownership).
         liveness_window_s: how long a foreign era is watched for activity before
             it is judged dead (the heartbeat window of the run).
 
@@ -307,7 +307,7 @@ class RunDirectory:
         liveness_window_s: float = 5.0,
     ) -> None:
         self.root = Path(root)
-        self._root_dir = SafeDir.open_tree(self.root, anchor=anchor)
+        self._root_dir = RendezvousDir.open_tree(self.root, anchor=anchor)
         self.run_id = run_id
         self.dir = self._root_dir.subdir(safe_component(run_id))
         self.path = self.dir.path

@@ -91,7 +91,7 @@ def test_a_group_writable_state_directory_is_refused_with_the_chmod_to_run(
     os.chmod(state, 0o2775)
     done = run_agent(project, tmp_path)
     assert done.returncode != 0
-    assert f"Run: chmod 700 {state}" in done.stdout + done.stderr
+    assert f"run: chmod go-w {state}" in done.stdout + done.stderr
     assert not (state / "checkpoints").exists()
 
 
@@ -117,7 +117,7 @@ def test_a_group_writable_component_below_the_root_is_refused(tmp_path: Path) ->
     os.chmod(tmp_path / "state" / "events", 0o775)
     with pytest.raises(UnsafeDirectoryError) as info:
         ensure_private_dir(tmp_path / "state" / "events" / "r1", root=tmp_path / "state")
-    assert f"Run: chmod 700 {tmp_path / 'state' / 'events'}" in str(info.value)
+    assert f"run: chmod go-w {tmp_path / 'state' / 'events'}" in str(info.value)
     assert not (tmp_path / "state" / "events" / "r1").exists()
 
 

@@ -96,7 +96,7 @@ def test_load_refuses_paths_writable_by_others(tmp_path: Path, target: str) -> N
     mgr = CheckpointManager(tmp_path / "ckpt")
     mgr.save({"w": torch.ones(4)}, 1)
     os.chmod(tmp_path / target, (tmp_path / target).stat().st_mode | stat.S_IWGRP)
-    with pytest.raises(CheckpointError, match=rf"{target} is writable by others.*chmod go-w"):
+    with pytest.raises(CheckpointError, match=rf"{target} is writable by group/others.*chmod go-w"):
         mgr.load_latest()
 
 

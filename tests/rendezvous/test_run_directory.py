@@ -12,7 +12,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from slurm_elastic.errors import ConfigError, RendezvousSetupError
 from slurm_elastic.rendezvous import RendezvousOptions, create_handler
-from slurm_elastic.rendezvous.filesystem import SafeDir
+from slurm_elastic.rendezvous.filesystem import RendezvousDir
 from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory, safe_component
 from slurm_elastic.rendezvous.state import State, decode_state, encode_state
 
@@ -41,7 +41,7 @@ def test_symlinked_root_is_refused(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     os.symlink(real, tmp_path / "link")
-    with pytest.raises(RendezvousSetupError, match="symlink"):
+    with pytest.raises(RendezvousSetupError, match="symbolic link"):
         RunDirectory(tmp_path / "link", "run")
 
 
@@ -172,14 +172,14 @@ def test_registered_in_torchs_registry(tmp_path: Path) -> None:
 def _count_era_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record each temporary era an agent builds (a spy: the real method runs)."""
     built: list[str] = []
-    real = SafeDir.tmp_name
+    real = RendezvousDir.tmp_name
 
-    def spy(self: SafeDir, stem: str) -> str:
+    def spy(self: RendezvousDir, stem: str) -> str:
         if stem.startswith("era."):
             built.append(stem)
         return real(self, stem)
 
-    monkeypatch.setattr(SafeDir, "tmp_name", spy)
+    monkeypatch.setattr(RendezvousDir, "tmp_name", spy)
     return built
 
 

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from slurm_elastic.errors import RendezvousSetupError
 from slurm_elastic.rendezvous import create_handler
-from slurm_elastic.rendezvous.filesystem import SafeDir, open_nofollow
+from slurm_elastic.rendezvous.filesystem import RendezvousDir
 from slurm_elastic.rendezvous.run_directory import Incarnation, RunDirectory
 from tests.helpers import Other, second_user
 
@@ -79,7 +79,7 @@ def test_a_directory_planted_by_another_user_is_refused_naming_path_and_fix(
     project: Path, other: Other
 ) -> None:
     other.run(lambda: os.mkdir(project / ".slurm_elastic", 0o777))
-    with pytest.raises(RendezvousSetupError, match=r"\.slurm_elastic'.*owned by uid.*Remove it"):
+    with pytest.raises(RendezvousSetupError, match=r"\.slurm_elastic is owned by uid.*Remove it"):
         create_handler(_params(), environ={"SLURM_SUBMIT_DIR": str(project)})
 
 
@@ -87,7 +87,7 @@ def test_a_planted_symlink_component_is_refused(project: Path, other: Other) -> 
     mine = project / "mine"
     mine.mkdir(mode=0o700)
     other.run(lambda: os.symlink(mine, project / ".slurm_elastic"))
-    with pytest.raises(RendezvousSetupError, match=r"\.slurm_elastic' is a symlink"):
+    with pytest.raises(RendezvousSetupError, match=r"\.slurm_elastic is a symbolic link"):
         create_handler(_params(), environ={"SLURM_SUBMIT_DIR": str(project)})
 
 
@@ -95,7 +95,7 @@ def test_a_group_writable_component_of_ours_is_refused_with_chmod_fix(project: P
     root = project / ".slurm_elastic"
     root.mkdir()
     os.chmod(root, 0o2770)  # what `mkdir -p` under umask 002 in a setgid dir gives
-    with pytest.raises(RendezvousSetupError, match=r"chmod go-w .*\.slurm_elastic'"):
+    with pytest.raises(RendezvousSetupError, match=r"chmod go-w \S*\.slurm_elastic\b"):
         create_handler(_params(), environ={"SLURM_SUBMIT_DIR": str(project)})
 
 
@@ -138,12 +138,4 @@ def test_explicit_endpoint_inside_another_users_directory_is_refused(
     other.run(plant)
     # Nothing we own leads to the endpoint: the anchor is the other user's directory.
     with pytest.raises(RendezvousSetupError, match="owned by uid"):
-        SafeDir.open_tree(project / "shared" / "rdzv", anchor=project / "shared")
-
-
-def test_open_nofollow_refuses_a_planted_link(tmp_path: Path) -> None:
-    target = tmp_path / "target"
-    target.write_text("x")
-    os.symlink(target, tmp_path / "events.jsonl")
-    with pytest.raises(OSError, match="Too many levels of symbolic links"):
-        open_nofollow(tmp_path / "events.jsonl", os.O_WRONLY | os.O_APPEND)
+        RendezvousDir.open_tree(project / "shared" / "rdzv", anchor=project / "shared")
