@@ -46,7 +46,6 @@ import logging
 import math
 import os
 import signal as _signal
-import stat
 import threading
 import time
 from pathlib import Path
@@ -65,7 +64,7 @@ from slurm_elastic.channel import (
 )
 from slurm_elastic.envvars import PREEMPT_SIGNAL_ENV
 from slurm_elastic.errors import ConfigError, UnsafeFileError
-from slurm_elastic.privatefs import ensure_private_dir
+from slurm_elastic.privatefs import ensure_private_dir, open_writable
 from slurm_elastic.signals import DEFAULT_PREEMPT_SIGNAL, parse_signal
 
 __all__ = [
@@ -322,14 +321,14 @@ def notice_raised(channel: NodeChannel) -> bool:
 
 
 def _open_progress(path: str) -> int:
-    # O_NONBLOCK: opening a FIFO for writing fails (ENXIO) instead of waiting for a
-    # reader; O_NOFOLLOW: a link at the name is not ours (the launcher creates a file).
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)  # a FIFO that has a reader: never write progress into a pipe
-        raise UnsafeFileError(f"{path} is not a regular file")
-    return fd
+    # A FIFO (with a reader or not), a link or another user's file at the name is
+    # refused: the launcher creates a file of ours.
+    try:
+        return open_writable(path)
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.EPERM):
+            raise UnsafeFileError(f"{path} is {exc.strerror}") from exc
+        raise
 
 
 class _ProgressWriter:

@@ -58,6 +58,7 @@ from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manifest import crc32, crc32_mapping
 from slurm_elastic.checkpoint.trust import CheckpointDir, open_data_file, read_error
 from slurm_elastic.errors import CheckpointCorruptError, UnsupportedStateError
+from slurm_elastic.privatefs import create_new
 
 __all__ = [
     "DTYPES",
@@ -316,7 +317,7 @@ def write_container(
         OSError: the write failed.
     """
     segments = _segments(lead, tensors)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = create_new(path)
     try:
         return _write_all(fd, segments, on_bytes)
     finally:
@@ -324,9 +325,6 @@ def write_container(
 
 
 # ---------------------------------------------------------------------------- read
-
-
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _open_checked(path: Path, expected_size: int, at: CheckpointDir | None) -> tuple[int, int]:

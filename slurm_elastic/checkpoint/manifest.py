@@ -70,7 +70,7 @@ from typing import Any
 from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.trust import CheckpointDir, UntrustedCheckpointError, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
-from slurm_elastic.privatefs import write_new
+from slurm_elastic.privatefs import DIR_FLAGS, READ_FLAGS, write_new
 
 __all__ = [
     "MANIFEST_NAME",
@@ -105,7 +105,6 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 3
 _MAX_RUN_CHARS = 256
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _SAFE_NAME = re.compile(r"^(?!\.\.?$)[^/\x00]{1,255}$")
 _MAX_MANIFEST_BYTES = 64 << 20
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -362,7 +361,7 @@ def checked_metadata(metadata: object) -> dict[str, Any]:
 
 def fsync_dir(path: Path) -> None:
     """fsync a directory so that entries created/renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, DIR_FLAGS)
     try:
         os.fsync(fd)
     finally:
@@ -383,7 +382,7 @@ _sync_lock = threading.Lock()
 
 
 def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, READ_FLAGS)
     try:
         os.fsync(fd)
     finally:
@@ -417,7 +416,7 @@ def sync_checkpoint(directory: Path, manifest: Manifest) -> None:
 def _open_by_path(path: Path) -> int:
     """Open ``path`` for reading without following a link at it (no ownership check)."""
     try:
-        return os.open(path, _FILE_FLAGS)
+        return os.open(path, READ_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
             raise UntrustedCheckpointError(
@@ -515,7 +514,7 @@ def crc32_fd(fd: int) -> tuple[int, int]:
 def crc32_file(path: Path) -> tuple[int, int]:
     """Return ``(size, crc32)`` of a file, read once (:func:`crc32_fd`). A symbolic link
     is refused."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, READ_FLAGS)
     try:
         return crc32_fd(fd)
     finally:

@@ -57,6 +57,7 @@ from slurm_elastic.errors import (
     CheckpointWriteError,
     UnsupportedStateError,
 )
+from slurm_elastic.privatefs import create_new
 
 __all__ = [
     "STATE_FILE",
@@ -75,7 +76,6 @@ TORCH_FILE = "state.pt"
 
 
 _OVERLAP_BYTES = 1 << 20
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class ChecksumWriter:
@@ -88,7 +88,7 @@ class ChecksumWriter:
 
     def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = create_new(path)
         self.crc = 0
         self.size = 0
         self.error: OSError | None = None

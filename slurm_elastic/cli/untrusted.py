@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from slurm_elastic.errors import UnsafeFileError
+from slurm_elastic.privatefs import DIR_FLAGS, READ_FLAGS
 
 __all__ = ["UnsafeFileError", "open_inside", "printable", "warn"]
 
@@ -35,9 +36,6 @@ _OTHERS = r"\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
 _CONTROL = re.compile(rf"[\x00-\x08\x0a-\x1f{_OTHERS}]")
 _CONTROL_OR_TAB = re.compile(rf"[\x00-\x1f{_OTHERS}]")
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO opens at once (fstat then refuses it) instead of waiting for a writer.
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",
@@ -89,10 +87,10 @@ def _open_beneath(root: str, parts: list[str], path: Path) -> tuple[int, os.stat
     try:
         owners.add(os.fstat(fd).st_uid)
         for name in parts[:-1]:
-            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
-        leaf = os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
+        leaf = os.open(parts[-1], READ_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafeFileError(

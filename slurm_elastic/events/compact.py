@@ -40,7 +40,7 @@ from slurm_elastic import procstat
 from slurm_elastic.envvars import EVENTS_DIR_ENV
 from slurm_elastic.errors import UnsafeDirectoryError
 from slurm_elastic.events.schema import current_host
-from slurm_elastic.privatefs import ensure_private_dir
+from slurm_elastic.privatefs import READ_FLAGS, ensure_private_dir, open_writable
 
 __all__ = ["ARCHIVE", "compact"]
 
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 ARCHIVE = "archive"
 _PROCESS_FILE = re.compile(r"^(?P<host>.+)\.(?P<pid>\d+)\.jsonl$")
 _CHUNK = 1 << 20
-_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
 
 
 def _gone(pid: int) -> bool:
@@ -91,7 +90,7 @@ def compact(
 @contextlib.contextmanager
 def _node_lock(base: Path, node: str) -> Iterator[bool]:
     """Hold this node's compaction lock (non-blocking): True if held."""
-    fd = os.open(base / f".{node}.lock", os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
+    fd = open_writable(base / f".{node}.lock", read=True)
     try:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -119,15 +118,12 @@ def _merge(base: Path, node: str) -> list[Path]:
     if not victims:
         return []
     merged: list[Path] = []
-    archive = os.open(
-        base / f"{node}.{ARCHIVE}.jsonl",
-        os.O_RDWR | os.O_CREAT | os.O_APPEND | _OPEN,
-        0o600,
-    )
     try:
-        if not stat.S_ISREG(os.fstat(archive).st_mode):
-            log.debug("events archive of %s is not a regular file: not compacting", node)
-            return []
+        archive = open_writable(base / f"{node}.{ARCHIVE}.jsonl", append=True, read=True)
+    except OSError as exc:
+        log.debug("events archive of %s: not compacting (%s)", node, exc)
+        return []
+    try:
         _end_torn_line(archive)
         for path in victims:
             try:
@@ -160,7 +156,7 @@ def _append_complete_lines(path: Path, archive: int) -> int | None:
 
     None (nothing appended) if ``path`` is not a regular file.
     """
-    fd = os.open(path, os.O_RDONLY | _OPEN)
+    fd = os.open(path, READ_FLAGS)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             log.debug("not merging %s: not a regular file", path)

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from slurm_elastic.events.compact import ARCHIVE
 from slurm_elastic.events.records import event_from_record
 from slurm_elastic.events.schema import Event
+from slurm_elastic.privatefs import READ_FLAGS
 
 __all__ = ["MAX_EVENTS_FILE_BYTES", "MAX_RECORD_BYTES", "read_events"]
 
@@ -35,9 +36,6 @@ MAX_EVENTS_FILE_BYTES = 64 << 20
 #: Warnings per file and read; the rest of a damaged file is counted, not listed.
 _MAX_WARNINGS = 5
 _CHUNK = 1 << 16
-# O_NONBLOCK: opening a FIFO returns at once (fstat then refuses it) instead of waiting
-# for a writer forever.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _warned: set[tuple[str, str]] = set()  # (file, what): said once per process (--watch)
 
 
@@ -51,7 +49,7 @@ def _warn(path: Path, message: str) -> None:
 def _open_events_file(path: Path) -> BinaryIO | None:
     """``path`` opened for reading: a regular file, not reached through a link; else None."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, READ_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             _warn(

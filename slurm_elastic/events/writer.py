@@ -19,14 +19,11 @@ from slurm_elastic.envvars import EVENTS_DIR_ENV
 from slurm_elastic.errors import UnsafeDirectoryError
 from slurm_elastic.events.records import event_from_fields
 from slurm_elastic.events.schema import Event
-from slurm_elastic.privatefs import ensure_private_dir
+from slurm_elastic.privatefs import ensure_private_dir, open_writable
 
 __all__ = ["emit"]
 
 log = logging.getLogger(__name__)
-
-
-_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
 
 
 def emit(event: Event | str, /, **fields: Any) -> None:
@@ -46,9 +43,9 @@ def emit(event: Event | str, /, **fields: Any) -> None:
         line = json.dumps(typed.to_record(), default=str) + "\n"
         path = Path(directory) / f"{typed.host}.{typed.pid}.jsonl"
         ensure_private_dir(path.parent)
-        # O_APPEND: each write of one line lands whole at the end of our own file.
-        # O_NOFOLLOW: a symlink planted at our file name on the shared FS is refused.
-        fd = os.open(path, _OPEN_FLAGS, 0o600)
+        # Appended: each write of one line lands whole at the end of our own file; a
+        # link, a FIFO or another user's file planted at the name is refused.
+        fd = open_writable(path, append=True)
         try:
             os.write(fd, line.encode())
         finally:

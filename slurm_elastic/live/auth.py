@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from slurm_elastic.envvars import KEY_FILE_ENV
 from slurm_elastic.errors import RoundSupersededError, UnsafeDirectoryError
-from slurm_elastic.privatefs import publish_exclusive
+from slurm_elastic.privatefs import READ_FLAGS, SafeDir, publish_exclusive
 
 __all__ = [
     "KEY_BYTES",
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 KEY_BYTES = 32
 _NONCE = 16
 _TAG = 32
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _POLL_S = 0.05
 #: A wait of a store with ``abandon`` looks at it this often.
 WAIT_SLICE_S = 0.5
@@ -100,7 +99,7 @@ def load_key(path: str | os.PathLike[str]) -> bytes:
         OSError: it cannot be read.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, READ_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafeDirectoryError(f"run key {path} is a symbolic link; refusing it") from exc
@@ -127,14 +126,11 @@ def load_or_create_key(directory: str | os.PathLike[str], name: str) -> Path:
     if "/" in name or name in ("", ".", ".."):
         raise ValueError(f"{name!r} is not a file name")
     path = Path(directory) / name
-    dfd = os.open(directory, _DIR_FLAGS)
-    try:
-        st = os.fstat(dfd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise UnsafeDirectoryError(f"{directory} is not a private directory of yours")
+    with SafeDir.open_checked(directory, follow=False) as held:  # ours, private, no link
+        dfd = held.fd
         for _ in range(2):
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                fd = os.open(name, READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 # Written aside, then linked into place: the first complete key wins;
                 # another agent's that won is read on the next pass.
@@ -146,8 +142,6 @@ def load_or_create_key(directory: str | os.PathLike[str], name: str) -> Path:
                 os.close(fd)
             return path
         raise UnsafeDirectoryError(f"run key {path} vanished while being created; retry")
-    finally:
-        os.close(dfd)
 
 
 def round_key(run_key: bytes, round_: int) -> bytes:

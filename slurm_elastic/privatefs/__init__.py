@@ -14,8 +14,10 @@ every file it reads or writes there goes through this package:
 * :func:`ensure_private_dir`: that walk, for a directory that must exist (checked from
   the product tree's ``root`` down), remembered per process;
 * the file primitives (:mod:`~slurm_elastic.privatefs.files`): :func:`read_regular`,
-  :func:`write_new`, :func:`replace_file` (atomic, optionally fsynced) and
-  :func:`publish_exclusive` (first writer wins).
+  :func:`write_new`, :func:`replace_file` (atomic, optionally fsynced),
+  :func:`publish_exclusive` (first writer wins), :func:`create_new` (a streaming
+  writer's new file) and :func:`open_writable` (a progress line, an event log);
+  :data:`READ_FLAGS` for readers that stream.
 
 Directories above ``root`` (a home or project directory) are the user's business: they
 are resolved by the OS and may be shared (a group member who can rename entries there
@@ -32,6 +34,8 @@ from pathlib import Path
 from slurm_elastic.privatefs.checks import refusal
 from slurm_elastic.privatefs.files import (
     READ_FLAGS,
+    create_new,
+    open_writable,
     publish_exclusive,
     read_regular,
     replace_file,
@@ -46,8 +50,10 @@ __all__ = [
     "READ_FLAGS",
     "FsOps",
     "SafeDir",
+    "create_new",
     "ensure_private_dir",
     "is_private",
+    "open_writable",
     "private_tree",
     "publish_exclusive",
     "read_regular",

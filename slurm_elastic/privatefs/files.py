@@ -22,7 +22,15 @@ import os
 import secrets
 import stat
 
-__all__ = ["READ_FLAGS", "publish_exclusive", "read_regular", "replace_file", "write_new"]
+__all__ = [
+    "READ_FLAGS",
+    "create_new",
+    "open_writable",
+    "publish_exclusive",
+    "read_regular",
+    "replace_file",
+    "write_new",
+]
 
 PathArg = str | os.PathLike[str]
 #: Flags to open a file for reading: no link, no blocking on a FIFO, no controlling tty.
@@ -73,6 +81,44 @@ def read_regular(
         os.close(fd)
 
 
+def create_new(name: PathArg, *, dir_fd: int | None = None) -> int:
+    """Create ``name`` for writing, ``0600``, exclusively and never through a link; return
+    the descriptor (the caller writes and closes it: streaming writers).
+
+    Raises:
+        FileExistsError: something exists at ``name`` (nothing was opened).
+        OSError: the directory cannot be written.
+    """
+    return os.open(name, _NEW_FLAGS, 0o600, dir_fd=dir_fd)
+
+
+def open_writable(
+    name: PathArg, *, dir_fd: int | None = None, append: bool = False, read: bool = False
+) -> int:
+    """Open (creating ``0600`` if missing) the regular file ``name`` of this user for
+    writing, never through a link and never blocking on a FIFO; return the descriptor.
+
+    For files written again and again in place (a progress line, ``pwrite`` at offset 0)
+    or appended to (``append``: each ``write`` of a line lands whole at the end);
+    ``read``: open it for reading too.
+
+    Raises:
+        OSError: ``ELOOP`` (a symbolic link), ``ENXIO`` (a FIFO without a reader),
+            ``EISDIR`` (a FIFO with one, a device), ``EPERM`` (another user's file), or
+            what the open raised.
+    """
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    flags |= (os.O_RDWR if read else os.O_WRONLY) | (os.O_APPEND if append else 0)
+    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)  # never write into a pipe, a device or someone else's file
+        why = "not a regular file" if not stat.S_ISREG(st.st_mode) else "not yours"
+        code = errno.EISDIR if not stat.S_ISREG(st.st_mode) else errno.EPERM
+        raise OSError(code, why, os.fspath(name))
+    return fd
+
+
 def write_new(
     name: PathArg, data: bytes, *, dir_fd: int | None = None, fsync: bool = False
 ) -> None:
@@ -82,7 +128,7 @@ def write_new(
         FileExistsError: something exists at ``name`` (nothing was opened).
         OSError: the directory cannot be written.
     """
-    fd = os.open(name, _NEW_FLAGS, 0o600, dir_fd=dir_fd)
+    fd = create_new(name, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:

@@ -39,6 +39,7 @@ from slurm_elastic.errors import UnsafeDirectoryError
 from slurm_elastic.privatefs.checks import link_problem, parts_of, prefix, refusal
 from slurm_elastic.privatefs.files import (
     READ_FLAGS,
+    open_writable,
     publish_exclusive,
     read_regular,
     replace_file,
@@ -437,8 +438,7 @@ class SafeDir:
         (close-to-open consistency).
         """
         FS_OPS.add("open")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(name, flags, 0o600, dir_fd=self.fd)
+        fd = open_writable(name, dir_fd=self.fd)
         try:
             os.pwrite(fd, data, 0)
         finally:
@@ -447,8 +447,7 @@ class SafeDir:
     def touch(self, name: str) -> None:
         """Create the empty file ``name`` (``0600``) if missing."""
         FS_OPS.add("open")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        os.close(os.open(name, flags, 0o600, dir_fd=self.fd))
+        os.close(open_writable(name, dir_fd=self.fd))
 
     def claim(self, name: str) -> bool:
         """Create the empty directory ``name`` (``0700``) exclusively: one ``mkdir``.

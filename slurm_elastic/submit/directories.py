@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.submit.render import split_values
 from slurm_elastic.submit.value_checks import shell_words
 
@@ -90,10 +91,10 @@ def ensure_job_directories(
         if path.is_dir():
             continue
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            ensure_private_dir(path)  # 0700, like every directory we create
         except OSError as exc:
             lines.append(
-                f"warning: cannot create {path} ({exc.strerror}): create it before sbatch, or "
+                f"warning: cannot create {path} ({exc.strerror or exc}): create it before sbatch, or "
                 "Slurm fails the job at launch (JobLaunchFailure) without writing a log"
             )
         else:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_elastic import envvars
-from slurm_elastic.privatefs import ensure_private_dir
+from slurm_elastic.privatefs import ensure_private_dir, replace_file
 from slurm_elastic.submit.job import LocalJob
 from slurm_elastic.submit.request import JobRequest
 
@@ -76,7 +76,7 @@ def write_spec(request: JobRequest, folder: Path) -> tuple[Path, dict[str, Any]]
         "module": request.module,
     }
     path = folder / "spec.json"
-    path.write_text(json.dumps(spec, indent=2, sort_keys=True), encoding="utf-8")
+    replace_file(path, json.dumps(spec, indent=2, sort_keys=True).encode("utf-8"))
     return path, spec
 
 
