@@ -57,6 +57,8 @@ the builtin (``ValueError``, ``TimeoutError``, ...) catches ours too.
     │                                  after a peer failed: restart instead
     ├── UnsafeDirectoryError           (also PermissionError) a directory of ours is a
     │                                  link, not ours, or writable by group/others
+    ├── RecordError                    (also ValueError) a CRC-framed record failed a
+    │                                  check (torn, bit-flipped, another number)
     └── AgentError                     the per-node agent cannot run
 
 One warning, not an error: :class:`UntestedTorchWarning` (a ``UserWarning``), torch
@@ -304,6 +306,11 @@ class UnsafeDirectoryError(SlurmElasticError, PermissionError):
     else, or writable by group/others; the message names it and the fix. Also a
     ``PermissionError``, so code that handles an unusable directory (``OSError``) handles
     this one too."""
+
+
+class RecordError(SlurmElasticError, ValueError):
+    """A CRC-framed record (``privatefs/records.py``) failed a check: bad magic, torn,
+    another number, a length or checksum mismatch; the message says which."""
 
 
 class AgentError(SlurmElasticError):

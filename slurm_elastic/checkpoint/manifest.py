@@ -59,7 +59,6 @@ import re
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -71,6 +70,7 @@ from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.trust import CheckpointDir, UntrustedCheckpointError, read_error
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
 from slurm_elastic.privatefs import DIR_FLAGS, READ_FLAGS, write_new
+from slurm_elastic.privatefs.records import crc32
 
 __all__ = [
     "MANIFEST_NAME",
@@ -89,18 +89,6 @@ __all__ = [
     "verify_checkpoint",
     "write_manifest",
 ]
-
-try:  # the same CRC32 as zlib's (same polynomial and values), computed with PCLMULQDQ
-    from isal.isal_zlib import crc32 as _fast_crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
-    _fast_crc32 = zlib.crc32
-
-
-def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC32 of ``data`` continuing from ``value`` (``zlib.crc32``'s values; releases the
-    GIL on large buffers)."""
-    return _fast_crc32(data, value)
-
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 3
@@ -283,7 +271,7 @@ def _is_int(value: object) -> bool:
 
 def _body_crc(body: Mapping[str, Any]) -> int:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return zlib.crc32(canonical.encode())
+    return crc32(canonical.encode())
 
 
 def checked_step(step: object) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from slurm_elastic import events
 from slurm_elastic.checkpoint import exchange
 from slurm_elastic.checkpoint.manager import CheckpointManager, failure_message, failure_of
-from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
+from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32, crc32_file
 from slurm_elastic.checkpoint.store import CheckpointInfo, checked_metadata, checked_step
 from slurm_elastic.checkpoint.transaction import SaveTransaction, describe_os_error, newest
 from slurm_elastic.checkpoint.trust import CheckpointDir, read_error
@@ -52,7 +51,7 @@ def _broadcast(value: Any) -> Any:
 
 def _identity(manifest: Manifest) -> int:
     """A fingerprint of one committed checkpoint (its manifest's exact text)."""
-    return zlib.crc32(manifest.to_json().encode())
+    return crc32(manifest.to_json().encode())
 
 
 def _require_pg() -> tuple[int, int]:

@@ -40,8 +40,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +50,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from slurm_elastic.errors import RendezvousSetupError
+from slurm_elastic.privatefs.records import FRAME_HEADER, RecordError, frame, frame_header, unframe
 from slurm_elastic.rendezvous.filesystem import FS_OPS, MissingDirectoryError, RendezvousDir
 from slurm_elastic.rendezvous.state import (
     MalformedRecordError,
@@ -78,31 +77,21 @@ BACKEND_NAME = "slurm"  # must equal registration.BACKEND_NAME
 SEGMENT = 64
 
 _MAGIC = b"SLRDV1\n"
-_HEADER = struct.Struct(">QQI")
 _EMPTY = b""  # payload of generation 0: "no state"
 _MAX_PROBE = 4 * SEGMENT
-_PREFIX = len(_MAGIC) + _HEADER.size  # bytes before the payload
+_PREFIX = len(_MAGIC) + FRAME_HEADER.size  # bytes before the payload
 
 
 def encode_record(generation: int, payload: bytes) -> bytes:
     """Return the bytes of generation file ``generation`` holding ``payload``."""
-    return _MAGIC + _HEADER.pack(generation, len(payload), zlib.crc32(payload)) + payload
+    return frame(_MAGIC, generation, payload)
 
 
 def _decode_record(data: bytes, generation: int) -> bytes:
-    if not data.startswith(_MAGIC):
-        raise MalformedRecordError("bad magic")
-    start = len(_MAGIC) + _HEADER.size
-    if len(data) < start:
-        raise MalformedRecordError("truncated header")
-    gen, length, crc = _HEADER.unpack_from(data, len(_MAGIC))
-    payload = data[start:]
-    if gen != generation:
-        raise MalformedRecordError(f"generation {gen} in the file of generation {generation}")
-    if len(payload) != length:
-        raise MalformedRecordError(f"payload has {len(payload)} bytes, header says {length}")
-    if zlib.crc32(payload) != crc:
-        raise MalformedRecordError("checksum mismatch")
+    try:
+        payload = unframe(_MAGIC, data, generation)
+    except RecordError as exc:
+        raise MalformedRecordError(str(exc)) from exc
     if generation > 0:
         _validate(payload)
     elif payload != _EMPTY:
@@ -468,9 +457,10 @@ class FileRendezvousBackend(RendezvousBackend):
             FS_OPS.add("read")
             head = os.pread(fd, _PREFIX, 0)
             FS_OPS.add_bytes(len(head))
-            if not head.startswith(_MAGIC) or len(head) != _PREFIX:
-                raise MalformedRecordError("bad magic")
-            number, length, _crc = _HEADER.unpack_from(head, len(_MAGIC))
+            try:
+                number, length, _crc = frame_header(_MAGIC, head)
+            except RecordError as exc:
+                raise MalformedRecordError(str(exc)) from exc
             if number != gen or length != size - _PREFIX:
                 raise MalformedRecordError(f"header says generation {number}, {length} bytes")
             return StateView(read_at, length)

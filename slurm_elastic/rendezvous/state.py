@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import json
 import re
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
 from slurm_elastic.errors import SlurmElasticError
+from slurm_elastic.privatefs.records import crc_line, parse_crc_line
 
 __all__ = [
     "HEADER_BYTES",
@@ -170,11 +170,7 @@ class State:
 
 
 def _line(obj: Any, width: int) -> bytes:
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
-    line = f"{zlib.crc32(text.encode()):08x} {text}"
-    if len(line) >= width:
-        raise ValueError(f"state line of {len(line)} bytes does not fit {width}")
-    return (line.ljust(width - 1) + "\n").encode("ascii")
+    return crc_line(json.dumps(obj, separators=(",", ":"), ensure_ascii=True), width)
 
 
 def encode_state(state: State) -> bytes:
@@ -200,14 +196,8 @@ def encode_state(state: State) -> bytes:
 
 def _parse_line(raw: bytes, what: str) -> Any:
     try:
-        text = raw.decode("ascii").rstrip(" \n")
-        crc, _, body = text.partition(" ")
-        if len(crc) != 8 or int(crc, 16) != zlib.crc32(body.encode()):
-            raise ValueError("checksum mismatch")
-        if not raw.endswith(b"\n"):
-            raise ValueError("not a whole line")
-        return json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
+        return json.loads(parse_crc_line(raw))
+    except ValueError as exc:  # RecordError, and JSON's
         raise MalformedRecordError(f"{what}: {exc}") from exc
 
 
