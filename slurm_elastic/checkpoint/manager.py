@@ -133,11 +133,12 @@ class CheckpointManager:
         keep_last: keep this many newest checkpoints (``None``: keep all).
         keep_every: additionally keep every checkpoint whose step is a multiple of this.
         rank: this process's rank (default: torch.distributed, else ``$RANK``, else 0).
-        weights_only: passed to ``torch.load`` for ``state.pt`` files of earlier versions;
-            the default ``True`` refuses arbitrary pickled objects (loading a checkpoint
-            then cannot run code), and a state the pickle-free format cannot hold (a custom
-            object) is refused at save. ``False`` opts into pickle: such a state is written
-            with ``torch.save`` (``state.pt``) and loads only with ``weights_only=False``.
+        weights_only: passed to ``torch.load`` for the ``state.pt`` files of earlier
+            versions (nothing else is ever unpickled); the default ``True`` refuses
+            arbitrary pickled objects, so loading one cannot run code. ``False`` loads an
+            old ``state.pt`` that holds other Python objects, if you trust its writer.
+            Saving is the same either way: the pickle-free container, which refuses a
+            state it cannot hold (a custom object) at save, naming it and the fix.
         run_id: the run these checkpoints belong to: recorded in every manifest; loading,
             saving or pruning in a directory holding another run's checkpoints raises
             :class:`~slurm_elastic.checkpoint.trust.ForeignRunError`. ``None`` (default):
@@ -257,8 +258,7 @@ class CheckpointManager:
         if blocking:
             return self._write(state, step, meta, time.perf_counter(), None)
         start = time.perf_counter()
-        if self.weights_only:  # at the call, not at the next save: the write would refuse it
-            check_storable(state)
+        check_storable(state)  # at the call, not at the next save: the write would refuse it
         stall = self._saver.submit(
             state, lambda staged, ready: self._write(staged, step, meta, start, ready)
         )
@@ -321,7 +321,7 @@ class CheckpointManager:
                 raise SaveTransaction(self.store, step, "replicated").abort(exc) from None
         with SaveTransaction.begin(self.store, step, "replicated", started=start) as txn:
             _faults.point("after_mkdir")
-            record = write_state(state, txn.tmp, allow_pickle=not self.weights_only)
+            record = write_state(state, txn.tmp)
             final, _ = txn.commit((record,), _dist_rank_world()[1], metadata, stall_of=stall_of)
         self.last_saved = final
         self.last_stall_seconds = txn.stall

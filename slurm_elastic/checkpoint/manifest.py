@@ -125,7 +125,7 @@ class Manifest:
 
     Attributes:
         step: the training step the checkpoint belongs to.
-        kind: ``"replicated"`` (one ``state.pt`` written by rank 0) or ``"sharded"``
+        kind: ``"replicated"`` (one data file written by rank 0) or ``"sharded"``
             (``torch.distributed.checkpoint`` files written by every rank).
         world_size: the number of ranks at save time.
         files: every data file with size and CRC32.

@@ -1,16 +1,17 @@
 """The serializer: a state tree to one data file with its CRC32, and back.
 
-Two formats, told apart by the file name the manifest records:
+Two formats are read, told apart by the file name the manifest records; one is written:
 
 * ``state.bin`` (:data:`STATE_FILE`, the default): our pickle-free container
   (:mod:`slurm_elastic.checkpoint.container`): a JSON header and the tensors' raw bytes,
   written straight from the tensors' memory with the CRC32 computed on a second thread.
   Loading cannot run code whatever ``weights_only`` says.
-* ``state.pt`` (:data:`TORCH_FILE`): one ``torch.save`` file, CRC32 computed inline.
-  Read for checkpoints written by earlier versions. Written only for a manager that opted
-  into pickled checkpoints (``weights_only=False``) and a state holding values the
-  container does not store (any other Python object); by default such a state is refused
-  at save. Verified against its manifest record before ``torch.load`` sees any of it.
+* ``state.pt`` (:data:`TORCH_FILE`): one ``torch.save`` file, only *read*: checkpoints
+  written by earlier versions (which wrote it for a manager with ``weights_only=False``
+  and a state the container does not store). Verified against its manifest record
+  before ``torch.load`` (``weights_only`` as the manager says) sees any of it. A state
+  the container does not store is refused at save, naming the value and the fix: the
+  package writes two formats, this container and DCP for sharded state.
 
 Placement: the container is parsed into CPU tensors, then moved where ``map_location``
 says. A device this node lacks (``"cuda:0"`` without CUDA) or out of device memory is the
@@ -26,10 +27,7 @@ import logging
 import os
 import pickle
 import socket
-import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +41,7 @@ from slurm_elastic.checkpoint.container import (
     read_container,
     write_container,
 )
-from slurm_elastic.checkpoint.manifest import FileRecord, crc32, crc32_fd
+from slurm_elastic.checkpoint.manifest import FileRecord, crc32_fd
 from slurm_elastic.checkpoint.staging import state_nbytes
 from slurm_elastic.checkpoint.trust import (
     CheckpointDir,
@@ -54,15 +52,12 @@ from slurm_elastic.checkpoint.trust import (
 from slurm_elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointWriteError,
     UnsupportedStateError,
 )
-from slurm_elastic.privatefs import create_new
 
 __all__ = [
     "STATE_FILE",
     "TORCH_FILE",
-    "ChecksumWriter",
     "check_device",
     "check_storable",
     "read_state",
@@ -75,97 +70,13 @@ STATE_FILE = "state.bin"
 TORCH_FILE = "state.pt"
 
 
-_OVERLAP_BYTES = 1 << 20
-
-
-class ChecksumWriter:
-    """A write-only file object that CRCs what it writes; handed to ``torch.save``.
-
-    For large writes (tensor storages) the CRC runs in this thread while a helper thread
-    writes the same bytes (the CRC32 and ``os.write`` both release the GIL), so the
-    checksum costs no extra wall time when the disk is the limit.
-    """
-
-    def __init__(self, path: Path, on_bytes: Callable[[int], None] | None = None) -> None:
-        self.path = path
-        self.fd = create_new(path)
-        self.crc = 0
-        self.size = 0
-        self.error: OSError | None = None
-        self._on_bytes = on_bytes
-        self._pool: ThreadPoolExecutor | None = None
-
-    def _write_all(self, view: memoryview) -> None:
-        while view:
-            view = view[os.write(self.fd, view) :]
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        try:
-            if n >= _OVERLAP_BYTES:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write")
-                written = self._pool.submit(self._write_all, view)
-                self.crc = crc32(view, self.crc)
-                written.result()
-            else:
-                self.crc = crc32(view, self.crc)
-                self._write_all(view)
-        except OSError as exc:
-            self.error = exc  # torch may wrap it; keep the original for the message
-            raise
-        self.size += n
-        if self._on_bytes is not None:
-            self._on_bytes(self.size)
-        return n
-
-    def flush(self) -> None:
-        """Nothing is buffered in user space."""
-
-    def sync_and_close(self) -> None:
-        try:
-            os.fsync(self.fd)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-_zip_crc_lock = threading.Lock()
-
-
-@contextmanager
-def _without_zip_crc() -> Iterator[None]:
-    """Skip torch.save's per-record zip CRC32 (a second full CPU pass over the data).
-
-    Our own CRC32 of the whole file, computed inline, already covers every byte, and
-    ``torch.load`` does not need the zip CRCs (``torch.serialization.set_crc32_options``).
-    The option is process-global: a ``torch.save`` in another thread during our save also
-    skips it (its file still loads with ``torch.load``).
-    """
-    with _zip_crc_lock:
-        previous = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            yield
-        finally:
-            torch.serialization.set_crc32_options(previous)
-
-
 def _not_storable(exc: UnsupportedStateError) -> UnsupportedStateError:
     return UnsupportedStateError(
         f"the checkpoint state holds {exc}, which the checkpoint format (tensors, "
         "containers and plain values, no pickle) does not store; save its plain state "
         "instead (e.g. its state_dict(), or register it as a stateful object of "
-        "training_state()), or, if you trust every reader, pass weights_only=False to "
-        "CheckpointManager (then it is written with torch.save)"
+        "TrainingState), or turn it into tensors, numbers and strings: a checkpoint "
+        "never holds a pickle, which could run code when loaded"
     )
 
 
@@ -181,22 +92,14 @@ def check_storable(state: Any) -> None:
         raise _not_storable(exc) from exc
 
 
-def write_state(state: Any, directory: Path, *, allow_pickle: bool = False) -> FileRecord:
-    """Serialize ``state`` into ``directory`` (one data file); return its record.
-
-    The container is not fsynced here (the store's commit fsyncs every file together);
-    the ``torch.save`` fallback is.
-
-    The container format (``state.bin``) when the state holds only tensors, containers and
-    plain values. Anything else is refused, unless the caller opted into pickled
-    checkpoints (``allow_pickle``: a manager with ``weights_only=False``, which alone can
-    load them): then ``torch.save`` (``state.pt``).
+def write_state(state: Any, directory: Path) -> FileRecord:
+    """Serialize ``state`` into ``directory`` (``state.bin``, the container); return its
+    record. Not fsynced here: the store's commit fsyncs every file together.
 
     Raises:
-        OSError: the write or the fsync failed (the caller names the path and the fix).
-        UnsupportedStateError: a value the container does not store, without
-            ``allow_pickle``; names the value and the fix.
-        CheckpointWriteError: ``state`` cannot be serialized.
+        OSError: the write failed (the caller names the path and the fix).
+        UnsupportedStateError: a value the container does not store (anything but
+            tensors, containers and plain values); names the value and the fix.
     """
     half = max(1, state_nbytes(state) // 2)
     mid_called = False
@@ -208,38 +111,11 @@ def write_state(state: Any, directory: Path, *, allow_pickle: bool = False) -> F
             _faults.point("mid_data")
 
     try:
-        encoded: tuple[bytes, list[torch.Tensor]] | None = encode(state)
+        lead, tensors = encode(state)
     except UnsupportedStateError as exc:
-        if not allow_pickle:
-            raise _not_storable(exc) from exc
-        log.debug("state holds %s; writing it with torch.save", exc)
-        encoded = None
-    if encoded is None:
-        return _torch_save(state, directory, on_bytes)
-    lead, tensors = encoded
+        raise _not_storable(exc) from exc
     size, crc = write_container(directory / STATE_FILE, lead, tensors, on_bytes)
     return FileRecord(STATE_FILE, size, crc)
-
-
-def _torch_save(state: Any, directory: Path, on_bytes: Callable[[int], None]) -> FileRecord:
-    writer = ChecksumWriter(directory / TORCH_FILE, on_bytes)
-    try:
-        try:
-            with _without_zip_crc():
-                torch.save(state, writer)  # type: ignore[arg-type]
-        except OSError:
-            raise
-        except Exception as exc:
-            if writer.error is not None:
-                raise writer.error from exc
-            raise CheckpointWriteError(
-                f"cannot serialize the state for checkpoint {directory}: {exc}; "
-                "save only tensors, containers and plain values"
-            ) from exc
-        writer.sync_and_close()
-    finally:
-        writer.close()
-    return FileRecord(TORCH_FILE, writer.size, writer.crc)
 
 
 #: Filesystems where a mapped file keeps its directory busy (NFS "silly rename": a

@@ -51,7 +51,7 @@ def _vm_bytes() -> int:
 def main() -> None:
     mode, directory, *args = sys.argv[1:]
     torch.set_num_threads(1)
-    manager = CheckpointManager.from_env(directory, keep_last=3, weights_only=False)
+    manager = CheckpointManager.from_env(directory, keep_last=3)
     if mode == "save":
         for step in map(int, args):
             manager.save(state_for(step), step)

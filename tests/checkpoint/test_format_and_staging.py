@@ -23,9 +23,15 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 from slurm_elastic.checkpoint import _faults, serializer
 from slurm_elastic.checkpoint.manager import CheckpointManager
 from slurm_elastic.checkpoint.manifest import FileRecord, Manifest, crc32_file
-from slurm_elastic.checkpoint.serializer import STATE_FILE, TORCH_FILE
+from slurm_elastic.checkpoint.serializer import STATE_FILE
 from slurm_elastic.checkpoint.staging import StagingConflict
-from slurm_elastic.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
+from slurm_elastic.errors import (
+    CheckpointError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    UnsupportedStateError,
+)
+from tests.checkpoint.old_format import write_torch_checkpoint
 from tests.helpers import wait_for
 
 
@@ -152,18 +158,31 @@ def test_on_nfs_the_default_load_reads_into_memory(
     assert str(tmp_path / "step_1" / STATE_FILE) not in _mapped_files()
 
 
-def test_a_state_the_format_cannot_hold_falls_back_to_torch_save(tmp_path: Path) -> None:
-    mgr = CheckpointManager(tmp_path, weights_only=False)
-    mgr.save({"obj": Opaque(7), "w": torch.ones(2)}, 1)
-    assert (tmp_path / "step_1" / TORCH_FILE).exists()
-    loaded = mgr.load(1).state
+def test_two_formats_are_written_a_state_the_container_cannot_hold_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Earlier versions wrote it with torch.save for weights_only=False (a third format);
+    now weights_only is about reading those old files only: saving refuses it either way,
+    naming the value, and nothing is committed."""
+    for weights_only in (True, False):
+        mgr = CheckpointManager(tmp_path, weights_only=weights_only)
+        with pytest.raises(UnsupportedStateError, match=r"state\['obj'\]: a .*Opaque"):
+            mgr.save({"obj": Opaque(7), "w": torch.ones(2)}, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_old_state_pt_with_a_custom_object_loads_with_weights_only_false(
+    tmp_path: Path,
+) -> None:
+    write_torch_checkpoint(tmp_path, 1, {"obj": Opaque(7), "w": torch.ones(2)})
+    loaded = CheckpointManager(tmp_path, weights_only=False).load(1).state
     assert loaded["obj"].x == 7 and torch.equal(loaded["w"], torch.ones(2))
 
 
 def test_a_pickled_object_outside_the_weights_only_allowlist_says_so(tmp_path: Path) -> None:
     """torch.load refuses it with pickle.UnpicklingError: the type, not the message, tells
     this (the bytes verified) from a file this node cannot read."""
-    CheckpointManager(tmp_path, weights_only=False).save({"obj": Opaque(7)}, 1)
+    write_torch_checkpoint(tmp_path, 1, {"obj": Opaque(7)})
     with pytest.raises(CheckpointError, match="weights-only allowlist") as caught:
         CheckpointManager(tmp_path).load(1)
     assert not isinstance(caught.value, CheckpointReadError)
@@ -172,12 +191,8 @@ def test_a_pickled_object_outside_the_weights_only_allowlist_says_so(tmp_path: P
 
 def test_checkpoints_of_the_previous_format_still_load(tmp_path: Path) -> None:
     """Earlier versions wrote one torch.save file, state.pt."""
-    mgr = CheckpointManager(tmp_path)
-    tmp = mgr.store.begin(3)
-    torch.save({"w": torch.arange(5.0), "step": 3}, tmp / TORCH_FILE)
-    size, crc = crc32_file(tmp / TORCH_FILE)
-    mgr.store.commit(tmp, Manifest(3, "replicated", 1, (FileRecord(TORCH_FILE, size, crc),)))
-    loaded = mgr.load_latest()
+    write_torch_checkpoint(tmp_path, 3, {"w": torch.arange(5.0), "step": 3})
+    loaded = CheckpointManager(tmp_path).load_latest()
     assert loaded is not None and loaded.step == 3
     assert torch.equal(loaded.state["w"], torch.arange(5.0))
 

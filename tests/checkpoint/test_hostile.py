@@ -36,6 +36,7 @@ from slurm_elastic.checkpoint import _faults
 from slurm_elastic.checkpoint.manager import CheckpointManager
 from slurm_elastic.checkpoint.manifest import Manifest, crc32_file, verify_checkpoint
 from slurm_elastic.errors import CheckpointCorruptError, CheckpointError
+from tests.checkpoint.old_format import write_torch_checkpoint
 from tests.helpers import Other, second_user, wait_for
 
 HERE = Path(__file__).parent
@@ -192,6 +193,16 @@ def missing_device() -> str:
     return f"cuda:{torch.cuda.device_count()}"
 
 
+def save_as(directory: Path, state: dict[str, object], fmt: str) -> None:
+    """Step 10 in ``fmt``: our container, or an earlier version's ``torch.save`` file
+    holding a value our container does not store (now read, no longer written)."""
+    if fmt == "state.pt":
+        state["ratio"] = fractions.Fraction(1, 3)
+        write_torch_checkpoint(directory, 10, state)
+    else:
+        CheckpointManager(directory).save(state, 10)
+
+
 @pytest.mark.parametrize("fmt", ["state.bin", "state.pt"])
 def test_a_device_missing_on_this_node_raises_and_every_checkpoint_stays(
     tmp_path: Path, fmt: str, no_run_id: None, caplog: pytest.LogCaptureFixture
@@ -199,10 +210,7 @@ def test_a_device_missing_on_this_node_raises_and_every_checkpoint_stays(
     """Before: every good checkpoint was logged as damaged, load_latest returned None (a
     first run) and the fresh run's first save replaced the good step_10."""
     state = state_for(10)
-    if fmt == "state.pt":
-        state["ratio"] = fractions.Fraction(1, 3)  # not in our format: torch.save
-    mgr = CheckpointManager(tmp_path / "ckpt", weights_only=False)
-    mgr.save(state, 10)
+    save_as(tmp_path / "ckpt", state, fmt)
     assert (tmp_path / "ckpt" / "step_10" / fmt).exists()
     device = missing_device()
     restarted = CheckpointManager(tmp_path / "ckpt", weights_only=False)
@@ -231,9 +239,7 @@ def test_out_of_memory_while_checksumming_raises_and_every_checkpoint_stays(
     load raised a bare ``OSError``)."""
     directory = tmp_path / "ckpt"
     state: dict[str, object] = {"w": torch.arange(32 << 20, dtype=torch.float32)}  # 128 MiB
-    if fmt == "state.pt":
-        state["ratio"] = fractions.Fraction(1, 3)
-    CheckpointManager(directory, weights_only=False).save(state, 10)
+    save_as(directory, state, fmt)
     assert (directory / "step_10" / fmt).exists()
     _, lines = run_child("enomem", str(directory), how)
     (outcome,) = lines
@@ -265,10 +271,8 @@ def test_an_io_error_while_reading_raises_and_every_checkpoint_stays(
     """Seam: EIO is injected where a data file has just been opened for reading (the
     ``read_file`` fault point); this machine has no failing disk to give a real one."""
     state = state_for(10)
-    if fmt == "state.pt":
-        state["ratio"] = fractions.Fraction(1, 3)
+    save_as(tmp_path / "ckpt", state, fmt)
     mgr = CheckpointManager(tmp_path / "ckpt", weights_only=False)
-    mgr.save(state, 10)
     calls: list[str] = []
 
     def eio(point: str) -> None:

@@ -105,7 +105,7 @@ def test_a_state_file_planted_by_another_user_is_refused(
 ) -> None:
     """The old permissive directories let another user replace files (and fix the CRCs)."""
     directory = shared_dir / "ckpt"
-    mgr = CheckpointManager(directory, weights_only=False)
+    mgr = CheckpointManager(directory, weights_only=False)  # would unpickle anything
     mgr.save({"w": torch.ones(4)}, 1)
     for d in (directory, directory / "step_1"):
         os.chmod(d, 0o777)  # as the old code left them under a permissive umask
