@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(a test's member trains slowly until newcomers have joined, then at full speed)",
     )
     p.add_argument(
+        "--pace-until-file",
+        default=None,
+        help="with --step-time: pause only until this file exists (a test creates it once "
+        "what it waits for has happened: then the training runs at full speed)",
+    )
+    p.add_argument(
         "--checkpoint-dir",
         default=None,
         help="default: $SLURM_ELASTIC_CHECKPOINT_DIR (set by the agent)",
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if s.rank == 0 and (s.step + 1) % 10 == 0:
             print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}", flush=True)
         grown = args.pace_until_world and s.world_size >= args.pace_until_world
-        if args.step_time and not grown:
+        released = args.pace_until_file and os.path.exists(args.pace_until_file)
+        if args.step_time and not grown and not released:
             time.sleep(args.step_time)
 
     loop.start()

@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument(
+        "--pace-until-file",
+        default=None,
+        help="with --step-time: pause only until this file exists (a test creates it once "
+        "what it waits for has happened: then the training runs at full speed)",
+    )
     p.add_argument("--checkpoint-dir", default=None, help="default: $SLURM_ELASTIC_CHECKPOINT_DIR")
     p.add_argument("--out", default=None, help="rank 0 writes the final parameters here")
     p.add_argument("--ledger", default=None, help="append consumed sample indices (JSONL)")
@@ -158,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 if s.rank == 0 and (s.step + 1) % 10 == 0:
                     print(f"step {s.step + 1} loss {loss.item():.5f} world {s.world_size}",
                           flush=True)  # fmt: skip
-                if args.step_time:
+                released = args.pace_until_file and os.path.exists(args.pace_until_file)
+                if args.step_time and not released:
                     time.sleep(args.step_time)
             if session.interrupted or session.reached(steps=args.steps):
                 break

@@ -25,7 +25,7 @@ from slurm_elastic.checkpoint.manifest import Manifest, crc32_file
 from slurm_elastic.errors import CheckpointError
 from tests.checkpoint.test_sharded import run
 
-UNTRUSTED = r"(owned by uid|writable by others|not a regular file|not a directory)"
+UNTRUSTED = r"(owned by uid|writable by group/others|not a regular file|not a directory)"
 
 
 class Payload:
@@ -146,7 +146,7 @@ def test_sharded_load_never_lets_dcp_unpickle_a_planted_metadata(
     write_as(other_user, step / "manifest.json", forged.to_json().encode())
     outs = run("refused", 1, tmp_path, ckpt, check=False)
     assert not marker.exists(), "DCP unpickled the planted .metadata: code ran"
-    assert "REFUSED" in outs[0] and "writable by others" in outs[0], outs[0]
+    assert "REFUSED" in outs[0] and "writable by group/others" in outs[0], outs[0]
 
 
 def test_symlink_loop_as_the_checkpoint_directory_gives_a_clear_message(tmp_path: Path) -> None:

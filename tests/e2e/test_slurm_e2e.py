@@ -114,6 +114,8 @@ def test_elastic_array_survives_requeue_usr2_and_partition_preemption(
         str(tmp_path / "params.pt"),
         "--ledger",
         str(tmp_path / "ledger.jsonl"),
+        "--pace-until-file",  # paced until the last regrow, below
+        str(tmp_path / "release"),
     ]
     values = job_values(
         tmp_path,
@@ -170,6 +172,7 @@ def test_elastic_array_survives_requeue_usr2_and_partition_preemption(
                 f"#SBATCH -o {tmp_path}/logs/high.out\nsleep 5\n"
             ),
         )
+        (tmp_path / "release").touch()  # every change is done: the rest at full speed
 
         infos = wait_for(
             lambda: (i := client.job_infos(job)) and all(x.state in TERMINAL for x in i) and i,
@@ -220,6 +223,8 @@ def test_fault_tolerant_job_restarts_the_group_from_the_checkpoint_after_a_worke
         str(tmp_path / "params.pt"),
         "--ledger",
         str(tmp_path / "ledger.jsonl"),
+        "--pace-until-file",  # paced until the group restarted, below
+        str(tmp_path / "release"),
     ]
     values = job_values(
         tmp_path,
@@ -257,6 +262,7 @@ def test_fault_tolerant_job_restarts_the_group_from_the_checkpoint_after_a_worke
             f"the group to restart at 8 workers\n{logs(tmp_path)}",
         )
         assert min(e["step"] for e in restarted) >= 20  # resumed from a checkpoint, not step 0
+        (tmp_path / "release").touch()  # the rest at full speed
         info = slurm_cluster.wait_state(job, TERMINAL, timeout=400)
         assert info.state == JobState.COMPLETED, f"{info}\n{logs(tmp_path)}"
         kinds = [e["kind"] for e in agent_events(state, job)]

@@ -106,6 +106,7 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
         "--steps", "1200", "--dataset-size", str(DATASET), "--global-batch", "12",
         "--save-every", "50", "--step-time", "0.1", "--num-workers", "2",
         "--out", str(tmp_path / "params.pt"), "--ledger", str(tmp_path / "ledger.jsonl"),
+        "--pace-until-file", str(tmp_path / "release"),  # paced until the rejoin, below
     ]  # fmt: skip
     values = job_values(
         tmp_path, "elastic_array", train_args, nnodes="1:3", nproc_per_node=1,
@@ -168,6 +169,7 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
         assert {keep, spare_pid} < set(rejoined), rejoined
         (joiner,) = set(rejoined) - {keep, spare_pid}
         assert task_of(joiner)[0] == tasks[leaver][0], "the joiner is the preempted task"
+        (tmp_path / "release").touch()  # every change is done: the rest at full speed
 
         infos = wait_for(
             lambda: (i := client.job_infos(job)) and all(x.state in TERMINAL for x in i) and i,

@@ -131,14 +131,15 @@ def test_hard_loss_rolls_back_and_reforms_in_place(
 def test_spare_is_promoted_in_place_when_a_member_leaves(
     tmp_path: Path, nodes: list[LiveRun]
 ) -> None:
-    # slower steps: the survivor must not finish before the promoted spare's workers
-    # have started (they import torch while the survivor keeps training)
-    steps, pace = 600, 0.1
-    a = LiveRun(tmp_path, "spare1", "1:2", "a", steps=steps, step_time=pace)
-    b = LiveRun(tmp_path, "spare1", "1:2", "b", steps=steps, step_time=pace)
+    # paced steps until the promoted spare's workers have started (they import torch
+    # while the survivor keeps training; it must not finish first), then full speed
+    steps, pace = 400, 0.1
+    paced = ("--pace-until-file", str(tmp_path / "release"))
+    a = LiveRun(tmp_path, "spare1", "1:2", "a", *paced, steps=steps, step_time=pace)
+    b = LiveRun(tmp_path, "spare1", "1:2", "b", *paced, steps=steps, step_time=pace)
     nodes += [a, b]
     wait_world_of_4(tmp_path)
-    spare = LiveRun(tmp_path, "spare1", "1:2", "c", steps=steps, step_time=pace)
+    spare = LiveRun(tmp_path, "spare1", "1:2", "c", *paced, steps=steps, step_time=pace)
     nodes.append(spare)
     wait_for(lambda: "spare" in spare.log(), 30, "the spare")
     a_pids = a.worker_pids()
@@ -149,6 +150,10 @@ def test_spare_is_promoted_in_place_when_a_member_leaves(
         lambda: len(started_workers(tmp_path, "spare1", spare)) == 2, 60, "the spare's workers"
     )
     c_pids = spare.worker_pids()
+    wait_for(
+        lambda: any(r["pid"] in c_pids for r in ledger(tmp_path)), 90, "the spare's workers' steps"
+    )
+    (tmp_path / "release").touch()  # the promoted spare trains: the rest at full speed
     assert a.wait(150) == ExitCode.FINISHED, a.log()
     assert spare.wait(60) == ExitCode.FINISHED, spare.log()
 
@@ -240,8 +245,9 @@ def test_workers_of_a_sigkilled_agent_leave_instead_of_training_on_as_orphans(
     # alive (reparented); they kept training in the old round and the survivors never
     # switched. They must leave at the survivors' switch (no rollback).
     steps, pace = 500, 0.05
-    a = LiveRun(tmp_path, "orphan1", "1:2", "a", steps=steps, step_time=pace)
-    b = LiveRun(tmp_path, "orphan1", "1:2", "b", steps=steps, step_time=pace)
+    paced = ("--pace-until-file", str(tmp_path / "release"))  # until the orphans are gone
+    a = LiveRun(tmp_path, "orphan1", "1:2", "a", *paced, steps=steps, step_time=pace)
+    b = LiveRun(tmp_path, "orphan1", "1:2", "b", *paced, steps=steps, step_time=pace)
     nodes += [a, b]
     wait_world_of_4(tmp_path)
     a_pids, b_pids = a.worker_pids(), b.worker_pids()
@@ -252,6 +258,7 @@ def test_workers_of_a_sigkilled_agent_leave_instead_of_training_on_as_orphans(
         60,
         "the dead agent's workers to exit",
     )
+    (tmp_path / "release").touch()
     assert a.wait(150) == ExitCode.FINISHED, a.log()
 
     records = ledger(tmp_path)
