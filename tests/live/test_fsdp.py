@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,16 @@ def _node(
 ) -> LiveRun:
     return LiveRun(
         tmp, run_id, "1:2", name, "--hsdp", hsdp, "--save-every", str(SAVE_EVERY),
+        "--pace-until-file", str(tmp / "release"),  # paced until the test's change is done
         steps=STEPS, step_time=0.1, script=SCRIPT, agent_args=agent_args,
     )  # fmt: skip
+
+
+def _release_once(tmp: Path, what: str, held: Callable[[list[dict]], bool]) -> None:
+    """Once the ledger shows ``what`` (``held(records)``), let the training run at full
+    speed: the change under test is done, the rest only has to finish."""
+    wait_for(lambda: held(ledger(tmp)), 150, what)
+    (tmp / "release").touch()
 
 
 def _world_of_4(tmp: Path) -> None:
@@ -81,6 +90,7 @@ def test_fsdp_join_reshards_in_place(tmp_path: Path, nodes: list[LiveRun], hsdp:
     a_pids = {r["pid"] for r in ledger(tmp_path)}
     b = _node(tmp_path, f"fsdp-join-{hsdp}", "b", hsdp)
     nodes.append(b)
+    _release_once(tmp_path, "the grown world", lambda rs: any(r["world"] == 4 for r in rs))
     assert a.wait(240) == ExitCode.FINISHED, a.log()
     assert b.wait(60) == ExitCode.FINISHED, b.log()
     records = ledger(tmp_path)
@@ -103,6 +113,9 @@ def test_fsdp_graceful_leave_reshards_in_place(
     a_pids = a.worker_pids()
     b.signal(signal.SIGUSR2)
     assert b.wait(120) == ExitCode.PREEMPTED, b.log()
+    _release_once(
+        tmp_path, "the shrunk world", lambda rs: any(r["world"] == 2 and r["step"] > 15 for r in rs)
+    )
     assert a.wait(180) == ExitCode.FINISHED, a.log()
     records = ledger(tmp_path)
     world2 = [r for r in records if r["world"] == 2 and r["step"] > 15]
@@ -129,6 +142,11 @@ def test_fsdp_hard_loss_restarts_from_checkpoint(
     a_pids = a.worker_pids()
     killed_at = steps_done(tmp_path)
     b.kill_node()
+    _release_once(
+        tmp_path,
+        "training on after the loss",
+        lambda rs: any(r["world"] == 2 and r["step"] > killed_at + 1 for r in rs),
+    )
     assert a.wait(240) == ExitCode.FINISHED, a.log()
     records = ledger(tmp_path)
     after = [r for r in records if r["step"] > killed_at + 1]
