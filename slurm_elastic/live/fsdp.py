@@ -25,9 +25,11 @@ ranks). :class:`ShardedModel` is the piece the session and
 Limits (stated in ``docs/live.md``): the full state is materialized in host memory on
 every rank at a switch and at each checkpoint (fine for models that fit one host);
 checkpoints hold the full state (rank 0 writes them; a load reshards to any world);
-a peer lost without notice cannot be recovered in place unless a gathered state newer
-than the last optimizer step exists: :class:`ShardsLostError` is raised and the worker
-exits for the restart path (newest checkpoint). Hooks registered on the user's module
+a peer lost without notice is recovered in place when the survivors hold every shard
+(:meth:`ShardedModel.keep_shards` at the failure, :meth:`ShardedModel.recover` in the
+new world, :mod:`~slurm_elastic.live.shards`: an HSDP replica survived, or a gathered
+state newer than the last optimizer step exists); otherwise :class:`ShardsLostError` is
+raised and the worker exits for the restart path (newest checkpoint). Hooks registered on the user's module
 do not move to the rebuilt one; use :attr:`ElasticSession.model` at every step.
 """
 
@@ -44,6 +46,8 @@ from torch import nn
 
 from slurm_elastic.checkpoint import exchange
 from slurm_elastic.errors import ShardsLostError, StateExchangeError
+from slurm_elastic.live import shards
+from slurm_elastic.live.shards import KeptShards
 
 __all__ = [
     "STATE_KEY",
@@ -112,6 +116,13 @@ def _refuse(where: str, why: str) -> StateExchangeError:
     return StateExchangeError(f"refused a peer's sharded state: {where}: {why}")
 
 
+_NO_LIMIT = 1 << 62  # a piece's size is bounded by the receiver's check, not a constant
+
+
+class _NotKept(Exception):
+    """This rank's module is not sharded as FSDP2 shards it: it keeps nothing."""
+
+
 class ShardedModel:
     """The model under FSDP2/HSDP, its optimizer, and their full state across worlds.
 
@@ -155,6 +166,8 @@ class ShardedModel:
         self._full: dict[str, Any] | None = None
         self._fresh = False
         self._loading = False
+        # What this rank kept of the old world at a hard loss (live/shards.py)
+        self._kept: KeptShards | None = None
         if optimizer is not None:
             optimizer.register_step_post_hook(self._on_step)
 
@@ -291,6 +304,146 @@ class ShardedModel:
                 group["params"] = []
         return held
 
+    # -- a hard loss: the state rebuilt from the survivors' shards (live/shards.py) -------
+
+    def keep_shards(self, step: int, round_: int, world_size: int) -> None:
+        """Local, at a failed collective, before :meth:`release`: keep this rank's pieces
+        of the state at ``step`` (round ``round_``, a world of ``world_size``) for
+        :meth:`recover`: a full state gathered since the last optimizer step, else the
+        local shards; nothing if the module is not sharded as FSDP2 shards it."""
+        count = mesh_shape(world_size, self.config.replicate)[1]
+        if self._fresh and self._full is not None:
+            self._kept = self._kept_from_full(self._full, step, round_, count)
+            return
+        try:
+            self._kept = self._kept_local(step, round_)
+        except _NotKept as exc:
+            log.warning("this rank keeps no shard for a recovery in place: %s", exc)
+            self._kept = None
+
+    def _kept_from_full(
+        self, full: Mapping[str, Any], step: int, round_: int, count: int
+    ) -> KeptShards:
+        params = {k: shape for k, (_, shape) in self._params.items()}
+        opt = full["optimizer"]
+        sharded = {
+            fqn: {k: v for k, v in entry.items() if shards.is_sharded(v, params[fqn])}
+            for fqn, entry in opt["state"].items()
+        }
+        unsharded = {
+            fqn: {k: v for k, v in entry.items() if not shards.is_sharded(v, params[fqn])}
+            for fqn, entry in opt["state"].items()
+        }
+        return KeptShards(
+            step, round_, count, tuple(range(count)),
+            sharded={"model": {k: full["model"][k] for k in params}, "state": sharded},
+            unsharded={
+                "model": {k: v for k, v in full["model"].items() if k not in params},
+                "state": unsharded,
+                "groups": opt["param_groups"],
+            },
+            whole=True,
+        )  # fmt: skip
+
+    def _kept_local(self, step: int, round_: int) -> KeptShards:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        module, mesh = self.module, self._mesh
+        if module is None or mesh is None:
+            raise _NotKept("the model is not sharded")
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()  # a failure mid-forward may leave parameters unsharded
+        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+        def local(where: str, value: Any) -> torch.Tensor:
+            if not isinstance(value, DTensor) or tuple(value.placements) != placements:
+                raise _NotKept(f"{where} is not a DTensor sharded as {placements}")
+            return value.to_local().detach().to("cpu", copy=True)
+
+        live = module.state_dict()
+        model = {k: local(k, live[k]) for k in self._params}
+        buffers = {}
+        for key, value in live.items():
+            if key not in self._params:
+                if isinstance(value, DTensor):
+                    raise _NotKept(f"buffer {key} is a DTensor")
+                buffers[key] = value.detach().to("cpu", copy=True)
+        sharded: dict[str, dict[str, Any]] = {}
+        unsharded: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        for group, fqns in zip(self._optimizer_groups(), self._groups, strict=True):
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+            for param, fqn in zip(group["params"], fqns, strict=True):
+                for key, value in (self.optimizer.state.get(param) or {}).items():  # type: ignore[union-attr]
+                    if isinstance(value, DTensor):
+                        sharded.setdefault(fqn, {})[key] = local(f"{fqn}.{key}", value)
+                    elif isinstance(value, torch.Tensor):
+                        unsharded.setdefault(fqn, {})[key] = value.detach().to("cpu", copy=True)
+                    else:
+                        unsharded.setdefault(fqn, {})[key] = value
+        index, count = int(mesh.get_coordinate()[-1]), mesh.size(mesh.ndim - 1)
+        return KeptShards(
+            step, round_, count, (index,),
+            sharded={"model": model, "state": sharded},
+            unsharded={"model": buffers, "state": unsharded, "groups": groups},
+        )  # fmt: skip
+
+    def _optimizer_groups(self) -> list[dict[str, Any]]:
+        return list(self.optimizer.param_groups) if self.optimizer is not None else []
+
+    def recover(self) -> tuple[int, bool] | None:
+        """Collective over the new world (every rank, newcomers too): rebuild the full
+        state from the pieces the ranks kept at a hard loss (:mod:`~slurm_elastic.live.
+        shards`); it is what :meth:`shard` loads next.
+
+        Returns:
+            The step the rebuilt state belongs to and whether this rank's own pieces were
+            of that step (its other state, e.g. the data position, is of that step too),
+            or ``None`` when no rank kept anything (a graceful change: nothing to rebuild).
+
+        Raises:
+            ShardsLostError: on every rank, when no step has every shard index (restart
+                from the newest checkpoint).
+            StateExchangeError: on every rank, when a piece was refused.
+        """
+        import torch.distributed as dist
+
+        kept = self._kept
+        infos = exchange.all_gather(kept.info() if kept is not None else None)
+        if all(info is None for info in infos):
+            return None
+        plan = shards.plan(infos)
+        me = dist.get_rank()
+        pieces = []
+        for index, src in enumerate(plan.sources):
+            payload = kept.piece(index) if me == src and kept is not None else None
+
+            def check(spec: Any, index: int = index) -> None:
+                shards.check_piece(
+                    spec, index, plan.shards, self._template, self._params, self._groups
+                )
+
+            pieces.append(exchange.broadcast(payload, src, check=check, limit=_NO_LIMIT))
+        full = shards.assemble(pieces)
+        mine = kept is not None and kept.step == plan.step
+        self._full, self._fresh = full, True
+        # a retry of the re-formation starts from the rebuilt state
+        self._kept = self._kept_from_full(full, plan.step, plan.round, plan.shards)
+        log.info(
+            "rebuilt the sharded state of step %d from %d shard(s) of round %d (senders %s)",
+            plan.step,
+            plan.shards,
+            plan.round,
+            list(plan.sources),
+        )
+        return plan.step, mine
+
+    def forget_kept(self) -> None:
+        """Drop what :meth:`keep_shards` kept (the recovery is done)."""
+        self._kept = None
+
     # -- the stateful protocol (ElasticState) ----------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -306,8 +459,8 @@ class ShardedModel:
         if not self._fresh or self._full is None:
             raise ShardsLostError(
                 "the sharded model's full state is older than the last optimizer step and "
-                "the world is gone (a peer was lost without notice): restart from the newest "
-                "checkpoint (HSDP replica recovery is not implemented)"
+                "the world is gone (a peer was lost without notice): its shards come back "
+                "through recover(), else restart from the newest checkpoint"
             )
         return self._full
 

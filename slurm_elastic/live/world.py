@@ -430,7 +430,16 @@ class LiveWorld:
             _links.connections = tcp_connections(connected_sockets() - self._group_sockets)
 
     def sync_state(self) -> bool:
-        """Collective: all ranks take the newest commit; False if nobody has one."""
+        """Collective: all ranks take the newest commit; False if nobody has one.
+
+        With a sharded model, the state lost ranks' shards held is rebuilt first from the
+        survivors' (:meth:`ShardedModel.recover`), and the ranks whose own state is of the
+        rebuilt step commit it: it is then the newest commit.
+        """
+        if self.sharding is not None:
+            rebuilt = self.sharding.recover()
+            if rebuilt is not None and rebuilt[1] and self.state.progress["step"] == rebuilt[0]:
+                self.state.commit((self.round, rebuilt[0]))
         mine = self.state.commit_id if self.state.committed else (-1, -1)
         local = torch.tensor([mine[1], mine[0]], dtype=torch.int64, device=self.device())
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
@@ -499,10 +508,14 @@ class LiveWorld:
         failed_step = int(self.state.progress["step"])
         log.warning("collective failed at step %d (%s): re-forming in place", failed_step, reason)
         events.emit(events.LivePeerFailure(step=failed_step, error=reason[:500]))
+        if self.sharding is not None:
+            # The live state is in shards: keep this rank's before they go; the new
+            # world rebuilds the whole from the survivors' (sync_state).
+            self.sharding.keep_shards(failed_step, self.round, self.world_size)
         self.teardown()
-        if keep_live:
+        if self.sharding is None and keep_live:
             self.state.commit((self.round, failed_step))
-        else:
+        elif self.sharding is None:
             self.state.restore()
         self.state.model.zero_grad(set_to_none=True)  # no partial gradient carries over
         self.dirty = False
@@ -521,6 +534,8 @@ class LiveWorld:
                     raise
                 failure = f"{type(exc).__name__}: {exc}"
             if failure is None:
+                if self.sharding is not None:
+                    self.sharding.forget_kept()
                 break
             log.warning("re-forming round %d failed (%s); waiting again", latest.round, failure)
             self._failed_rounds.add(latest.round)

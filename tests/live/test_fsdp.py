@@ -4,9 +4,10 @@ graceful leave and a hard loss.
 
 Join and leave re-shard in place: the survivors keep their PIDs, no step is redone, every
 sample is used once per epoch and the final parameters match the uninterrupted one-process
-run of the same math. A hard loss has no in-place path for a sharded model yet: the
-workers raise ``ShardsLostError`` and the agent restarts them from the newest checkpoint
-(the restart path), so at most ``--save-every`` steps are redone.
+run of the same math. A hard loss with HSDP is recovered in place from the surviving
+replica (at most the step in flight redone); with plain FSDP2 the lost shards exist
+nowhere else: the workers raise ``ShardsLostError`` and the agent restarts them from the
+newest checkpoint (the restart path), so at most ``--save-every`` steps are redone.
 """
 
 from __future__ import annotations
@@ -125,28 +126,51 @@ def test_fsdp_graceful_leave_reshards_in_place(
     _assert_close_to_reference(tmp_path)
 
 
-# One mesh only: the path (ShardsLostError, restart, load) is the same for both; the
-# 2-D mesh is the one that also loads its replicas from the checkpoint (saves a minute).
-@pytest.mark.parametrize("hsdp", [pytest.param("2", id="hsdp2")])
-def test_fsdp_hard_loss_restarts_from_checkpoint(
-    tmp_path: Path, nodes: list[LiveRun], hsdp: str
-) -> None:
-    """No in-place path for lost shards: the survivors' workers stop with
-    ShardsLostError, the agent restarts them and they resume from the newest checkpoint
-    (with HSDP too: the surviving replica is not used yet)."""
-    restarts = ("--max-restarts", "2")
-    a = _node(tmp_path, f"fsdp-hard-{hsdp}", "a", hsdp, restarts)
-    b = _node(tmp_path, f"fsdp-hard-{hsdp}", "b", hsdp, restarts)
-    nodes += [a, b]
-    _world_of_4(tmp_path)
+def _kill_b_of_4(tmp: Path, a: LiveRun, b: LiveRun) -> tuple[set[int], int]:
+    _world_of_4(tmp)
     a_pids = a.worker_pids()
-    killed_at = steps_done(tmp_path)
+    killed_at = steps_done(tmp)
     b.kill_node()
     _release_once(
-        tmp_path,
+        tmp,
         "training on after the loss",
         lambda rs: any(r["world"] == 2 and r["step"] > killed_at + 1 for r in rs),
     )
+    return a_pids, killed_at
+
+
+def test_hsdp_hard_loss_rebuilds_the_lost_replica_in_place(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    """With ``--hsdp 2`` each node holds one whole replica (its 2 ranks shard it): when
+    node b is SIGKILLed, node a's workers rebuild the state from their own shards
+    (live/shards.py) and train on at world 2 in the same processes; at most the step in
+    flight is redone, no checkpoint is read."""
+    restarts = ("--max-restarts", "2")
+    a = _node(tmp_path, "hsdp-hard", "a", "2", restarts)
+    b = _node(tmp_path, "hsdp-hard", "b", "2", restarts)
+    nodes += [a, b]
+    a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
+    assert a.wait(240) == ExitCode.FINISHED, a.log()
+    records = ledger(tmp_path)
+    after = [r for r in records if r["step"] > killed_at + 1]
+    assert after and {r["world"] for r in after} == {2}
+    assert {r["pid"] for r in after} == a_pids, "the survivors' workers were restarted"
+    assert "ShardsLostError" not in a.log()
+    assert redone_steps(records) <= 1
+    assert_each_sample_once(records, STEPS)
+    _assert_close_to_reference(tmp_path)
+
+
+def test_fsdp_hard_loss_restarts_from_checkpoint(tmp_path: Path, nodes: list[LiveRun]) -> None:
+    """Plain FSDP2 keeps each shard on one rank: node b's shards are gone with it, the
+    survivors' workers stop with ShardsLostError, the agent restarts them and they resume
+    from the newest checkpoint (at most ``--save-every`` steps redone)."""
+    restarts = ("--max-restarts", "2")
+    a = _node(tmp_path, "fsdp-hard", "a", "1", restarts)
+    b = _node(tmp_path, "fsdp-hard", "b", "1", restarts)
+    nodes += [a, b]
+    a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
     assert a.wait(240) == ExitCode.FINISHED, a.log()
     records = ledger(tmp_path)
     after = [r for r in records if r["step"] > killed_at + 1]

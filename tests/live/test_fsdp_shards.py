@@ -1,0 +1,216 @@
+"""A sharded model's state rebuilt from the survivors' shards after a hard loss
+(slurm_elastic.live.shards, ShardedModel.keep_shards/recover).
+
+The plan and the chunk arithmetic are pure; the rebuild runs in real processes: a real
+gloo group of 4 trains a small model under HSDP or FSDP2, some ranks die without a word
+(``os._exit``), and the survivors form a new group and rebuild (tests/live/shards_worker.py).
+The agents and the session around it are in test_fsdp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slurm_elastic.checkpoint.exchange import TensorSpec
+from slurm_elastic.errors import ShardsLostError, StateExchangeError
+from slurm_elastic.live import shards
+from tests.checkpoint.test_exchange import free_port
+
+WORKER = Path(__file__).with_name("shards_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("rows", "count"), [(7, 2), (3, 2), (2, 4), (0, 3), (9, 3), (1, 1)])
+def test_chunk_bounds_are_torch_chunks(rows: int, count: int) -> None:
+    chunks = list(torch.arange(rows).chunk(count)) if rows else []
+    for index in range(count):
+        start, stop = shards.chunk_bounds(rows, index, count)
+        want = chunks[index].tolist() if index < len(chunks) else []
+        assert list(range(start, stop)) == want, (rows, count, index)
+
+
+def _info(step: int, covers: list[int], shards_: int = 2, round_: int = 5) -> dict[str, Any]:
+    return {"step": step, "round": round_, "shards": shards_, "covers": covers}
+
+
+def test_the_plan_takes_the_newest_step_that_has_every_shard() -> None:
+    infos = [
+        _info(8, [0]),  # stepped ahead; shard 1 of step 8 died with its rank
+        _info(7, [1]),
+        None,  # a newcomer
+        _info(7, [0]),
+        _info(7, [1]),
+    ]
+    plan = shards.plan(infos)
+    assert (plan.step, plan.round, plan.shards) == (7, 5, 2)
+    assert plan.sources == (3, 1)  # the lowest rank holding each index at step 7
+
+
+def test_a_full_state_covers_every_shard() -> None:
+    plan = shards.plan([_info(4, [1]), _info(4, [0, 1])])
+    assert plan.step == 4 and plan.sources == (1, 0)
+
+
+def test_an_older_rounds_shards_are_not_mixed_in() -> None:
+    plan = shards.plan([_info(9, [0, 1], round_=4), _info(3, [0], round_=5), _info(3, [1])])
+    assert plan.round == 5 and plan.step == 3
+
+
+def test_lost_shards_are_named_and_the_fix_is_said() -> None:
+    with pytest.raises(ShardsLostError, match=r"of 4 shards.*FSDPConfig\(replicate=R\)"):
+        shards.plan([_info(6, [0], 4), _info(6, [1], 4), None])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"step": 1, "round": 1, "shards": 2, "covers": [2]},
+        {"step": "1", "round": 1, "shards": 2, "covers": [0]},
+        {"step": 1, "round": 1, "shards": 2, "covers": [0], "more": 1},
+        [1, 2],
+    ],
+)
+def test_a_malformed_info_is_refused(bad: Any) -> None:
+    with pytest.raises(StateExchangeError, match="malformed"):
+        shards.plan([bad])
+
+
+def _piece_spec(index: int, count: int, rows: int = 7) -> dict[str, Any]:
+    start, stop = shards.chunk_bounds(rows, index, count)
+    spec: dict[str, Any] = {
+        "model": {"w": TensorSpec(torch.float32, (stop - start, 5))},
+        "state": {"w": {"exp_avg": TensorSpec(torch.float32, (stop - start, 5))}},
+    }
+    if index == 0:
+        spec["unsharded"] = {
+            "model": {"buf": TensorSpec(torch.float32, (4,))},
+            "state": {"w": {"step": TensorSpec(torch.float32, ())}},
+            "groups": [{"lr": 0.1, "params": ["w"]}],
+        }
+    return spec
+
+
+TEMPLATE = {"w": (torch.float32, (7, 5)), "buf": (torch.float32, (4,))}
+PARAMS = {"w": (torch.float32, (7, 5))}
+
+
+def test_a_piece_of_this_model_passes_the_check() -> None:
+    for index in range(3):
+        shards.check_piece(_piece_spec(index, 3), index, 3, TEMPLATE, PARAMS, [["w"]])
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda s: s["model"].update(w=TensorSpec(torch.float32, (4, 5))), r"model\['w'\]"),
+        (lambda s: s["model"].update(w=TensorSpec(torch.float64, (3, 5))), r"model\['w'\]"),
+        (lambda s: s["state"].update(v={}), r"state\['v'\]: not a parameter"),
+        (lambda s: s["model"].pop("w"), "expected the parameters"),
+        (lambda s: s.update(unsharded={}), "parts"),
+    ],
+)
+def test_a_piece_of_another_shape_is_refused_before_any_byte(change: Any, words: str) -> None:
+    spec = _piece_spec(1, 2)
+    change(spec)
+    with pytest.raises(StateExchangeError, match=words):
+        shards.check_piece(spec, 1, 2, TEMPLATE, PARAMS, [["w"]])
+
+
+def test_a_piece_zero_with_other_buffers_or_groups_is_refused() -> None:
+    spec = _piece_spec(0, 2)
+    spec["unsharded"]["groups"][0]["params"] = ["v"]
+    with pytest.raises(StateExchangeError, match=r"param_groups\[0\]: different parameters"):
+        shards.check_piece(spec, 0, 2, TEMPLATE, PARAMS, [["w"]])
+    spec = _piece_spec(0, 2)
+    spec["unsharded"]["state"]["w"]["step"] = TensorSpec(torch.float32, (7, 5))
+    with pytest.raises(StateExchangeError, match="not a scalar"):
+        shards.check_piece(spec, 0, 2, TEMPLATE, PARAMS, [["w"]])
+
+
+def test_pieces_assemble_into_the_full_tensors() -> None:
+    full = torch.arange(35.0).view(7, 5)
+    kept = shards.KeptShards(
+        3, 1, 3, (0, 1, 2),
+        sharded={"model": {"w": full}, "state": {"w": {"exp_avg": full * 2}}},
+        unsharded={"model": {"buf": torch.ones(4)}, "state": {"w": {"step": torch.tensor(3.0)}},
+                   "groups": [{"lr": 0.1, "params": ["w"]}]},
+        whole=True,
+    )  # fmt: skip
+    rebuilt = shards.assemble([kept.piece(i) for i in range(3)])
+    assert torch.equal(rebuilt["model"]["w"], full)
+    assert torch.equal(rebuilt["model"]["buf"], torch.ones(4))
+    assert torch.equal(rebuilt["optimizer"]["state"]["w"]["exp_avg"], full * 2)
+    assert float(rebuilt["optimizer"]["state"]["w"]["step"]) == 3.0
+    assert rebuilt["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    with pytest.raises(ValueError, match="not kept here"):
+        shards.KeptShards(3, 1, 2, (1,), {"model": {}, "state": {}}, {}).piece(0)
+
+
+def _run(case: str, tmp: Path, deadline_s: float = 180) -> list[dict[str, Any]]:
+    port, new_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), case, str(r), str(port), str(new_port), str(tmp)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    end = time.monotonic() + deadline_s
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
+            logs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r in range(4):
+        f = tmp / f"rank{r}.json"
+        assert f.exists(), f"rank {r} wrote no result:\n" + "\n".join(logs)
+        results.append(json.loads(f.read_text()))
+    return results
+
+
+def test_a_lost_hsdp_replica_is_rebuilt_from_the_other_bitwise(tmp_path: Path) -> None:
+    """Ranks 2 and 3 (replica 1 of a 2 x 2 mesh) die; 0 and 1 hold shards 0 and 1 of
+    replica 0 and rebuild every parameter and optimizer tensor exactly."""
+    results = _run("hsdp_replica_lost", tmp_path)
+    for r in results[:2]:
+        assert r["recovered"] == [3, True], r
+        assert r["keys_equal"] and not r["unequal"], r
+        assert r["lr"] == [0.01] and r["trained_on"], r
+
+
+def test_survivors_of_both_replicas_and_a_newcomer_get_the_same_state(tmp_path: Path) -> None:
+    """Rank 3 dies; rank 2 (shard 0 of replica 1) acts as a newcomer that kept nothing:
+    shards 0 and 1 come from ranks 0 and 1, and all three rebuild the same state."""
+    results = _run("hsdp_one_rank_lost_and_a_newcomer", tmp_path)
+    assert results[3].get("lost")
+    for r in results[:3]:
+        assert r["keys_equal"] and not r["unequal"] and r["trained_on"], r
+    assert [r["recovered"] for r in results[:3]] == [[3, True], [3, True], [3, False]]
+
+
+def test_lost_fsdp_shards_raise_on_every_survivor(tmp_path: Path) -> None:
+    """Plain FSDP2 keeps each shard on one rank: the survivors of a loss of ranks 2, 3
+    cannot rebuild and say so alike (the restart path takes over)."""
+    results = _run("fsdp_shards_lost", tmp_path)
+    for r in results[:2]:
+        assert "lost_error" in r, r
+        assert "of 4 shards" in r["lost_error"] and "(3, (0,))" in r["lost_error"], r
