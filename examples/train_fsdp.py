@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset-size", type=int, default=1000)
     p.add_argument("--global-batch", type=int, default=32, help="samples per step, all ranks")
     p.add_argument("--hsdp", type=int, default=1, help="replicas (1: FSDP2 over all ranks)")
+    p.add_argument(
+        "--copy-every", type=int, default=None,
+        help="plain FSDP2: steps between neighbour copies of the shards (0: none; default 50)",
+    )  # fmt: skip
     p.add_argument("--vocab", type=int, default=16)
     p.add_argument("--seq", type=int, default=8, help="tokens per sample")
     p.add_argument("--dim", type=int, default=16)
@@ -61,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.hsdp < 1:
         p.error(f"--hsdp {args.hsdp}: must be >= 1 (1: plain FSDP2)")
+    if args.copy_every is not None and args.copy_every < 0:
+        p.error(f"--copy-every {args.copy_every}: must be >= 0 (0: no neighbour copies)")
     if args.dim % args.heads:
         p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     return args
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     session = ElasticSession(
         net, opt, sched,
         fsdp=FSDPConfig(build=lambda: build_model(args), shard_modules=lambda m: m.blocks,
-                        replicate=args.hsdp),
+                        replicate=args.hsdp, copy_every=args.copy_every),
         dataset_size=args.dataset_size, global_batch_size=args.global_batch, seed=args.seed,
         checkpoint=CheckpointManager.from_env(args.checkpoint_dir, keep_last=3),
         save_every=args.save_every, leave_wait_s=args.leave_wait,

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +77,20 @@ class FSDPConfig:
         replicate: HSDP replicas (``1``: plain FSDP2). A world of ``W`` ranks uses
             ``gcd(replicate, W)`` replicas of ``W / gcd`` ranks each.
         reshard_after_forward: passed to ``fully_shard``.
+        copy_every: with one replica (plain FSDP2), every this many steps each rank
+            copies its shards to host memory and swaps them with its neighbours (the
+            same local rank of the next and the previous node), so that a node lost
+            without notice is rebuilt in place redoing at most this many steps; costs
+            two shards of host memory per rank and one shard sent per copy.
+            ``None``: 50; ``0``: never (a hard loss restarts from the checkpoint).
+            With HSDP (two replicas or more) the replicas hold every shard: no copy.
     """
 
     build: Callable[[], nn.Module]
     shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None
     replicate: int = 1
     reshard_after_forward: bool = True
+    copy_every: int | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.build):
@@ -93,6 +102,13 @@ class FSDPConfig:
             raise ValueError(
                 f"FSDPConfig.replicate={self.replicate!r} must be an integer >= 1 "
                 "(1: FSDP2 over all ranks; R: HSDP with R replicas)"
+            )
+        if self.copy_every is not None and (
+            type(self.copy_every) is not int or self.copy_every < 0
+        ):
+            raise ValueError(
+                f"FSDPConfig.copy_every={self.copy_every!r} must be an integer >= 0 steps "
+                "(0: no neighbour copies) or None (the default, 50)"
             )
 
 
@@ -119,8 +135,23 @@ def _refuse(where: str, why: str) -> StateExchangeError:
 _NO_LIMIT = 1 << 62  # a piece's size is bounded by the receiver's check, not a constant
 
 
-class _NotKept(Exception):
-    """This rank's module is not sharded as FSDP2 shards it: it keeps nothing."""
+LIVE = "live"
+"""Returned by :meth:`ShardedModel.recover`: this rank's live state is of the rebuilt step."""
+
+DEFAULT_COPY_EVERY = 50
+"""Steps between neighbour copies with plain FSDP2 (:attr:`FSDPConfig.copy_every`)."""
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A neighbour copy: this rank's and its neighbour's pieces of one step, and the
+    session's other state of that step (progress, scheduler, other stateful objects)."""
+
+    step: int
+    round: int
+    shards: int
+    pieces: dict[int, dict[str, Any]]
+    rest: dict[str, Any]
 
 
 class ShardedModel:
@@ -166,8 +197,12 @@ class ShardedModel:
         self._full: dict[str, Any] | None = None
         self._fresh = False
         self._loading = False
-        # What this rank kept of the old world at a hard loss (live/shards.py)
+        # What this rank kept of the old world at a hard loss (live/shards.py): the
+        # pieces, and by step its own state of that step (None: the live one)
         self._kept: KeptShards | None = None
+        self._own: dict[int, dict[str, Any] | None] = {}
+        self._copy: _Copy | None = None  # the newest neighbour copy on this mesh
+        self._placeholder = False
         if optimizer is not None:
             optimizer.register_step_post_hook(self._on_step)
 
@@ -206,6 +241,7 @@ class ShardedModel:
             fully_shard(sub, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward)
         self.module, self._mesh, self._sharded = module, mesh, True
+        self._copy = None  # of another mesh
         params = dict(module.named_parameters())
         if self.optimizer is not None:
             for group, names in zip(self.optimizer.param_groups, self._groups, strict=True):
@@ -306,102 +342,105 @@ class ShardedModel:
 
     # -- a hard loss: the state rebuilt from the survivors' shards (live/shards.py) -------
 
-    def keep_shards(self, step: int, round_: int, world_size: int) -> None:
-        """Local, at a failed collective, before :meth:`release`: keep this rank's pieces
-        of the state at ``step`` (round ``round_``, a world of ``world_size``) for
-        :meth:`recover`: a full state gathered since the last optimizer step, else the
-        local shards; nothing if the module is not sharded as FSDP2 shards it."""
-        count = mesh_shape(world_size, self.config.replicate)[1]
-        if self._fresh and self._full is not None:
-            self._kept = self._kept_from_full(self._full, step, round_, count)
-            return
+    def copy_every(self) -> int:
+        """Steps between neighbour copies on the current mesh (0: none)."""
+        if self._mesh is None or self._mesh.ndim != 1:
+            return 0  # HSDP: the other replicas hold every shard
+        every = self.config.copy_every
+        return DEFAULT_COPY_EVERY if every is None else every
+
+    def copy_due(self, step: int) -> bool:
+        """Whether the step boundary ``step`` takes a neighbour copy (same on every rank)."""
+        every = self.copy_every()
+        return every > 0 and step > 0 and step % every == 0 and self._mesh.size() > 1
+
+    @contextmanager
+    def without_state(self) -> Iterator[None]:
+        """:meth:`state_dict` is an empty placeholder inside (the rest of a session's state
+        is snapshotted beside a neighbour copy; the sharded part is rebuilt later)."""
+        self._placeholder = True
         try:
-            self._kept = self._kept_local(step, round_)
-        except _NotKept as exc:
-            log.warning("this rank keeps no shard for a recovery in place: %s", exc)
-            self._kept = None
+            yield
+        finally:
+            self._placeholder = False
 
-    def _kept_from_full(
-        self, full: Mapping[str, Any], step: int, round_: int, count: int
-    ) -> KeptShards:
-        params = {k: shape for k, (_, shape) in self._params.items()}
-        opt = full["optimizer"]
-        sharded = {
-            fqn: {k: v for k, v in entry.items() if shards.is_sharded(v, params[fqn])}
-            for fqn, entry in opt["state"].items()
-        }
-        unsharded = {
-            fqn: {k: v for k, v in entry.items() if not shards.is_sharded(v, params[fqn])}
-            for fqn, entry in opt["state"].items()
-        }
-        return KeptShards(
-            step, round_, count, tuple(range(count)),
-            sharded={"model": {k: full["model"][k] for k in params}, "state": sharded},
-            unsharded={
-                "model": {k: v for k, v in full["model"].items() if k not in params},
-                "state": unsharded,
-                "groups": opt["param_groups"],
-            },
-            whole=True,
-        )  # fmt: skip
+    def take_copy(
+        self, step: int, round_: int, rest: dict[str, Any], local_world: int, device: Any
+    ) -> None:
+        """Collective (pairs of ranks) at the step boundary ``step``: copy this rank's
+        shards to host memory and swap them with the neighbours (this rank's go to the
+        same local rank of the next node, the previous node's come here, checked against
+        this model before they are kept). ``rest``: the session's other state at
+        ``step``, kept beside them."""
+        import torch.distributed as dist
 
-    def _kept_local(self, step: int, round_: int) -> KeptShards:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        index, count, sharded, unsharded = shards.local_parts(
+            self.module, self._mesh, self.optimizer, self._groups, self._params
+        )
+        pieces = shards.make_pieces(sharded, unsharded, (index,), count, whole=False)
+        world, me = dist.get_world_size(), dist.get_rank()
+        dest, src = (me + local_world) % world, (me - local_world) % world
+        if dest != me:
+            peer_index = src % count  # a 1-D mesh: the rank is its shard index
+            received = shards.swap(
+                exchange.pack(pieces[index]), dest, src, self._piece_limit(), device
+            )
+            peer = exchange.unpack(received, limit=self._piece_limit())
+            shards.check_piece(
+                shards.spec_of(peer), peer_index, count, self._template, self._params,
+                self._groups,
+            )  # fmt: skip
+            pieces[peer_index] = peer
+        self._copy = _Copy(step, round_, count, pieces, rest)
 
-        module, mesh = self.module, self._mesh
-        if module is None or mesh is None:
-            raise _NotKept("the model is not sharded")
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()  # a failure mid-forward may leave parameters unsharded
-        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    def _piece_limit(self) -> int:
+        """Bytes a piece may have: the model's state, its optimizer's and room to spare."""
+        nbytes = sum(
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for dtype, shape in self._template.values()
+        )
+        return 8 * nbytes + (1 << 20)
 
-        def local(where: str, value: Any) -> torch.Tensor:
-            if not isinstance(value, DTensor) or tuple(value.placements) != placements:
-                raise _NotKept(f"{where} is not a DTensor sharded as {placements}")
-            return value.to_local().detach().to("cpu", copy=True)
+    def keep_shards(self, step: int, round_: int, world_size: int) -> None:
+        """Local, at a failed collective, before :meth:`release`: keep what this rank
+        holds of the state for :meth:`recover`: its live shard at ``step`` (round
+        ``round_``, a world of ``world_size``) or a full state gathered since the last
+        optimizer step, and the neighbour copy with the session's other state of its
+        step."""
+        count = mesh_shape(world_size, self.config.replicate)[1]
+        held: dict[int, dict[int, dict[str, Any]]] = {}
+        if self._fresh and self._full is not None:
+            sharded, unsharded = shards.full_parts(self._full, self._params)
+            held[step] = shards.make_pieces(
+                sharded, unsharded, tuple(range(count)), count, whole=True
+            )
+        else:
+            try:
+                index, count, sharded, unsharded = shards.local_parts(
+                    self.module, self._mesh, self.optimizer, self._groups, self._params
+                )
+                held[step] = shards.make_pieces(sharded, unsharded, (index,), count, False)
+            except shards.NotKept as exc:
+                log.warning("this rank keeps no live shard for a recovery in place: %s", exc)
+        self._own = {step: None} if held else {}
+        copy, self._copy = self._copy, None
+        if copy is not None and copy.round == round_ and copy.shards == count:
+            for index, piece in copy.pieces.items():
+                held.setdefault(copy.step, {}).setdefault(index, piece)
+            self._own.setdefault(copy.step, copy.rest)
+        self._kept = KeptShards(round_, count, held) if held else None
 
-        live = module.state_dict()
-        model = {k: local(k, live[k]) for k in self._params}
-        buffers = {}
-        for key, value in live.items():
-            if key not in self._params:
-                if isinstance(value, DTensor):
-                    raise _NotKept(f"buffer {key} is a DTensor")
-                buffers[key] = value.detach().to("cpu", copy=True)
-        sharded: dict[str, dict[str, Any]] = {}
-        unsharded: dict[str, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
-        for group, fqns in zip(self._optimizer_groups(), self._groups, strict=True):
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
-            for param, fqn in zip(group["params"], fqns, strict=True):
-                for key, value in (self.optimizer.state.get(param) or {}).items():  # type: ignore[union-attr]
-                    if isinstance(value, DTensor):
-                        sharded.setdefault(fqn, {})[key] = local(f"{fqn}.{key}", value)
-                    elif isinstance(value, torch.Tensor):
-                        unsharded.setdefault(fqn, {})[key] = value.detach().to("cpu", copy=True)
-                    else:
-                        unsharded.setdefault(fqn, {})[key] = value
-        index, count = int(mesh.get_coordinate()[-1]), mesh.size(mesh.ndim - 1)
-        return KeptShards(
-            step, round_, count, (index,),
-            sharded={"model": model, "state": sharded},
-            unsharded={"model": buffers, "state": unsharded, "groups": groups},
-        )  # fmt: skip
-
-    def _optimizer_groups(self) -> list[dict[str, Any]]:
-        return list(self.optimizer.param_groups) if self.optimizer is not None else []
-
-    def recover(self) -> tuple[int, bool] | None:
+    def recover(self) -> tuple[int, str | dict[str, Any] | None] | None:
         """Collective over the new world (every rank, newcomers too): rebuild the full
         state from the pieces the ranks kept at a hard loss (:mod:`~slurm_elastic.live.
         shards`); it is what :meth:`shard` loads next.
 
         Returns:
-            The step the rebuilt state belongs to and whether this rank's own pieces were
-            of that step (its other state, e.g. the data position, is of that step too),
-            or ``None`` when no rank kept anything (a graceful change: nothing to rebuild).
+            ``None`` when no rank kept anything (a graceful change: nothing to rebuild);
+            else the step the rebuilt state belongs to and this rank's own state of that
+            step: :data:`LIVE` (its live state is of that step), the session's state kept
+            with a neighbour copy (its sharded part filled in with the rebuilt one), or
+            ``None`` (it has none: it takes the state from a peer).
 
         Raises:
             ShardsLostError: on every rank, when no step has every shard index (restart
@@ -418,7 +457,7 @@ class ShardedModel:
         me = dist.get_rank()
         pieces = []
         for index, src in enumerate(plan.sources):
-            payload = kept.piece(index) if me == src and kept is not None else None
+            payload = kept.piece(plan.step, index) if me == src and kept is not None else None
 
             def check(spec: Any, index: int = index) -> None:
                 shards.check_piece(
@@ -427,10 +466,22 @@ class ShardedModel:
 
             pieces.append(exchange.broadcast(payload, src, check=check, limit=_NO_LIMIT))
         full = shards.assemble(pieces)
-        mine = kept is not None and kept.step == plan.step
+        own: str | dict[str, Any] | None = None
+        if plan.step in self._own:
+            rest = self._own[plan.step]
+            own = LIVE if rest is None else {
+                **rest, "stateful": {**rest["stateful"], STATE_KEY: full}
+            }  # fmt: skip
         self._full, self._fresh = full, True
         # a retry of the re-formation starts from the rebuilt state
-        self._kept = self._kept_from_full(full, plan.step, plan.round, plan.shards)
+        sharded, unsharded = shards.full_parts(full, self._params)
+        every = tuple(range(plan.shards))
+        self._kept = KeptShards(
+            plan.round,
+            plan.shards,
+            {plan.step: shards.make_pieces(sharded, unsharded, every, plan.shards, True)},
+        )
+        self._own = {plan.step: None} if own is not None else {}
         log.info(
             "rebuilt the sharded state of step %d from %d shard(s) of round %d (senders %s)",
             plan.step,
@@ -438,11 +489,11 @@ class ShardedModel:
             plan.round,
             list(plan.sources),
         )
-        return plan.step, mine
+        return plan.step, own
 
     def forget_kept(self) -> None:
         """Drop what :meth:`keep_shards` kept (the recovery is done)."""
-        self._kept = None
+        self._kept, self._own = None, {}
 
     # -- the stateful protocol (ElasticState) ----------------------------------------------
 
@@ -454,6 +505,8 @@ class ShardedModel:
             ShardsLostError: the model is sharded and the full state is older than the
                 live one (a peer was lost between gathers: its shards are gone).
         """
+        if self._placeholder:
+            return {"model": {}, "optimizer": {"state": {}, "param_groups": []}}
         if not self._sharded and not (self._fresh and self._full is not None):
             self.gather_unsharded()
         if not self._fresh or self._full is None:

@@ -47,11 +47,17 @@ from slurm_elastic.errors import ShardsLostError, StateExchangeError
 
 __all__ = [
     "KeptShards",
+    "NotKept",
     "Plan",
     "assemble",
     "check_piece",
     "chunk_bounds",
+    "full_parts",
+    "local_parts",
+    "make_pieces",
     "plan",
+    "spec_of",
+    "swap",
 ]
 
 Shapes = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -79,64 +85,194 @@ def is_sharded(value: Any, param_shape: tuple[int, ...]) -> bool:
     )
 
 
-@dataclass
-class KeptShards:
-    """What one rank kept of the old world's state at a failure.
+class NotKept(Exception):
+    """This rank's module is not sharded as FSDP2 shards it: it keeps nothing."""
 
-    Attributes:
-        step: the step the values belong to (optimizer steps applied).
-        round: the rendezvous round of the old world.
-        shards: the old mesh's shard count ``S``.
-        covers: the shard indices this rank can send: its own, or all of them when
-            ``whole`` is a full state.
+
+def local_parts(
+    module: Any, mesh: Any, optimizer: Any, groups: list[list[str]], params: Shapes
+) -> tuple[int, int, dict[str, Any], dict[str, Any]]:
+    """Local (no collective): this rank's shard index, the mesh's shard count and host
+    copies of its values (:func:`make_pieces`' ``sharded`` and ``unsharded``).
+
+    Args:
+        module: the module sharded by ``fully_shard`` (parameters resharded first: a
+            failure in the middle of a forward may have left them gathered).
+        mesh: its device mesh (1-D, or 2-D ``(replicate, shard)``).
+        optimizer: its optimizer (or ``None``), on the sharded parameters.
+        groups: the FQNs of each of the optimizer's parameter groups.
+        params: the model's parameters by FQN.
+
+    Raises:
+        NotKept: a parameter or optimizer tensor is not sharded as FSDP2 shards it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if module is None or mesh is None:
+        raise NotKept("the model is not sharded")
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+    def local(where: str, value: Any) -> torch.Tensor:
+        if not isinstance(value, DTensor) or tuple(value.placements) != placements:
+            raise NotKept(f"{where} is not a DTensor sharded as {placements}")
+        return value.to_local().detach().to("cpu", copy=True)
+
+    live = module.state_dict()
+    model = {key: local(key, live[key]) for key in params}
+    buffers = {}
+    for key, value in live.items():
+        if key not in params:
+            if isinstance(value, DTensor):
+                raise NotKept(f"buffer {key} is a DTensor")
+            buffers[key] = value.detach().to("cpu", copy=True)
+    sharded: dict[str, dict[str, Any]] = {}
+    unsharded: dict[str, dict[str, Any]] = {}
+    hyper: list[dict[str, Any]] = []
+    for group, fqns in zip(optimizer.param_groups if optimizer else [], groups, strict=True):
+        hyper.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+        for param, fqn in zip(group["params"], fqns, strict=True):
+            for key, value in (optimizer.state.get(param) or {}).items():
+                if isinstance(value, DTensor):
+                    sharded.setdefault(fqn, {})[key] = local(f"{fqn}.{key}", value)
+                elif isinstance(value, torch.Tensor):
+                    unsharded.setdefault(fqn, {})[key] = value.detach().to("cpu", copy=True)
+                else:
+                    unsharded.setdefault(fqn, {})[key] = value
+    return (
+        int(mesh.get_coordinate()[-1]),
+        int(mesh.size(mesh.ndim - 1)),
+        {"model": model, "state": sharded},
+        {"model": buffers, "state": unsharded, "groups": hyper},
+    )
+
+
+def full_parts(full: Mapping[str, Any], params: Shapes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A full state (:meth:`~slurm_elastic.live.fsdp.ShardedModel.gather`'s layout) as
+    :func:`make_pieces`' ``sharded`` (full tensors) and ``unsharded``."""
+    opt = full["optimizer"]
+    shapes = {fqn: shape for fqn, (_, shape) in params.items()}
+    sharded: dict[str, dict[str, Any]] = {}
+    unsharded: dict[str, dict[str, Any]] = {}
+    for fqn, entry in opt["state"].items():
+        for key, value in entry.items():
+            into = sharded if is_sharded(value, shapes[fqn]) else unsharded
+            into.setdefault(fqn, {})[key] = value
+    return (
+        {"model": {k: full["model"][k] for k in params}, "state": sharded},
+        {
+            "model": {k: v for k, v in full["model"].items() if k not in params},
+            "state": unsharded,
+            "groups": opt["param_groups"],
+        },
+    )
+
+
+_SIZE_TAG, _DATA_TAG = 7301, 7302
+
+
+def _pair(*works: Any) -> None:
+    for work in works:
+        if work is not None:  # None: this rank is not in the group (never here)
+            work.wait()
+
+
+def swap(blob: bytes, dest: int, src: int, limit: int, device: Any) -> torch.Tensor:
+    """Collective between pairs: send ``blob`` to rank ``dest`` and receive rank
+    ``src``'s (its size announced first and refused over ``limit`` bytes before anything
+    is allocated); every rank sends and receives once, so a ring completes."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    theirs = torch.zeros(1, dtype=torch.int64, device=device)
+    _pair(dist.isend(mine, dest, tag=_SIZE_TAG), dist.irecv(theirs, src, tag=_SIZE_TAG))
+    size = int(theirs.item())
+    if not 0 <= size <= limit:
+        raise StateExchangeError(
+            f"rank {src} announced a shard copy of {size} bytes; at most {limit} allowed"
+        )
+    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+    received = torch.empty(size, dtype=torch.uint8, device=device)
+    _pair(dist.isend(data, dest, tag=_DATA_TAG), dist.irecv(received, src, tag=_DATA_TAG))
+    return received.cpu()
+
+
+def make_pieces(
+    sharded: Mapping[str, Any],
+    unsharded: Mapping[str, Any],
+    covers: tuple[int, ...],
+    shards: int,
+    whole: bool,
+) -> dict[int, dict[str, Any]]:
+    """The pieces to send for the shard indices ``covers`` (index 0 also carries the
+    unsharded values).
+
+    Args:
         sharded: ``{"model": {fqn: tensor}, "state": {fqn: {key: tensor}}}``: the local
-            shard of each parameter and of its sharded optimizer state, or the full
-            tensors when the rank covers every index.
+            shard of each parameter and of its sharded optimizer state (one index in
+            ``covers``), or full tensors (``whole``: sliced into each index's rows).
         unsharded: ``{"model": {key: tensor}, "state": {fqn: {key: value}},
-            "groups": [...]}``: buffers, scalar optimizer state (Adam's ``step``) and
-            the parameter groups (hyperparameters and FQNs), the same on every rank.
-        whole: ``sharded`` holds full tensors (a gathered state): pieces are sliced.
+            "groups": [...]}``: buffers, scalar optimizer state (Adam's ``step``) and the
+            parameter groups (hyperparameters and FQNs), the same on every rank.
+        covers: the shard indices the values are (all of them when ``whole``).
+        shards: the mesh's shard count ``S``.
+        whole: the sharded values are full tensors.
     """
 
-    step: int
+    def piece(index: int) -> dict[str, Any]:
+        def cut(value: torch.Tensor) -> torch.Tensor:
+            if not whole:
+                return value
+            start, stop = chunk_bounds(value.shape[0], index, shards)
+            return value[start:stop]
+
+        out: dict[str, Any] = {
+            "model": {k: cut(v) for k, v in sharded["model"].items()},
+            "state": {
+                fqn: {key: cut(v) for key, v in entry.items()}
+                for fqn, entry in sharded["state"].items()
+            },
+        }
+        if index == 0:
+            out["unsharded"] = unsharded
+        return out
+
+    return {index: piece(index) for index in covers}
+
+
+@dataclass
+class KeptShards:
+    """What one rank holds of the old world's sharded state, by step and shard index.
+
+    Attributes:
+        round: the rendezvous round of the old world.
+        shards: the old mesh's shard count ``S``.
+        held: ``{step: {shard index: piece}}`` (:func:`make_pieces`): its live shard at
+            the failure, a full state gathered since the last step (every index), and
+            a periodic copy (its own shard and its neighbour's, of an older step).
+    """
+
     round: int
     shards: int
-    covers: tuple[int, ...]
-    sharded: dict[str, Any]
-    unsharded: dict[str, Any]
-    whole: bool = False
+    held: dict[int, dict[int, dict[str, Any]]]
 
     def info(self) -> dict[str, Any]:
         """What the plan needs of this rank (a small JSON value)."""
         return {
-            "step": self.step,
             "round": self.round,
             "shards": self.shards,
-            "covers": list(self.covers),
+            "held": [[step, sorted(pieces)] for step, pieces in sorted(self.held.items())],
         }
 
-    def piece(self, index: int) -> dict[str, Any]:
-        """Shard ``index`` (one this rank covers) of the sharded values, with the
-        unsharded ones for index 0: what this rank sends when the plan picks it."""
-        if index not in self.covers:  # an internal invariant: the plan picks coverers
-            raise ValueError(f"shard {index} is not kept here (covers {self.covers})")
-
-        def cut(value: torch.Tensor) -> torch.Tensor:
-            if not self.whole:
-                return value
-            start, stop = chunk_bounds(value.shape[0], index, self.shards)
-            return value[start:stop]
-
-        out: dict[str, Any] = {
-            "model": {k: cut(v) for k, v in self.sharded["model"].items()},
-            "state": {
-                fqn: {key: cut(v) for key, v in entry.items()}
-                for fqn, entry in self.sharded["state"].items()
-            },
-        }
-        if index == 0:
-            out["unsharded"] = self.unsharded
-        return out
+    def piece(self, step: int, index: int) -> dict[str, Any]:
+        """The piece of shard ``index`` at ``step`` (one this rank holds), to send."""
+        pieces = self.held.get(step, {})
+        if index not in pieces:  # an internal invariant: the plan picks holders
+            raise ValueError(f"shard {index} of step {step} is not kept here")
+        return pieces[index]
 
 
 @dataclass(frozen=True)
@@ -150,7 +286,7 @@ class Plan:
 
 
 def plan(infos: list[Any]) -> Plan:
-    """The newest step at which every shard index is covered, and who sends each.
+    """The newest step at which every shard index is held, and who sends each.
 
     Args:
         infos: each new rank's :meth:`KeptShards.info`, or ``None`` (it kept nothing: a
@@ -165,40 +301,61 @@ def plan(infos: list[Any]) -> Plan:
         raise ShardsLostError("no surviving rank kept any shard of the sharded model")
     newest = max(info["round"] for _, info in kept)
     kept = [(rank, info) for rank, info in kept if info["round"] == newest]
-    shards = {info["shards"] for _, info in kept}
-    if len(shards) != 1:
-        raise StateExchangeError(f"ranks of round {newest} disagree on the shard count: {shards}")
-    (count,) = shards
-    for step in sorted({info["step"] for _, info in kept}, reverse=True):
-        sources: list[int] = []
-        for index in range(count):
-            holders = [r for r, i in kept if i["step"] == step and index in i["covers"]]
-            if not holders:
-                break
-            sources.append(holders[0])
-        else:
-            return Plan(step, newest, count, tuple(sources))
-    have = sorted({(i["step"], tuple(i["covers"])) for _, i in kept})
+    counts = {info["shards"] for _, info in kept}
+    if len(counts) != 1:
+        raise StateExchangeError(f"ranks of round {newest} disagree on the shard count: {counts}")
+    (count,) = counts
+    holders: dict[int, dict[int, int]] = {}  # step -> index -> lowest rank holding it
+    for rank, info in kept:
+        for step, indices in info["held"]:
+            for index in indices:
+                holders.setdefault(step, {}).setdefault(index, rank)
+    for step in sorted(holders, reverse=True):
+        if len(holders[step]) == count:
+            return Plan(step, newest, count, tuple(holders[step][i] for i in range(count)))
+    have = {step: sorted(by) for step, by in sorted(holders.items())}
     raise ShardsLostError(
-        f"shards of round {newest} are lost: the survivors hold (step, shard indices) "
-        f"{have} of {count} shards, no step has them all (plain FSDP2 keeps each shard on "
-        "one rank; use HSDP, FSDPConfig(replicate=R), to keep replicas): restart from the "
-        "newest checkpoint"
+        f"shards of round {newest} are lost: the survivors hold shard indices {have} (by "
+        f"step) of {count} shards, no step has them all (plain FSDP2 keeps each shard on one "
+        "rank: use HSDP, FSDPConfig(replicate=R), or a neighbour's copy, "
+        "FSDPConfig(copy_every=K)): restart from the newest checkpoint"
     )
 
 
 def _valid(info: Any) -> dict[str, Any]:
+    def held_ok(entry: Any, count: int) -> bool:
+        return (
+            type(entry) is list
+            and len(entry) == 2
+            and type(entry[0]) is int
+            and type(entry[1]) is list
+            and all(type(c) is int and 0 <= c < count for c in entry[1])
+        )
+
     ok = (
         type(info) is dict
-        and set(info) == {"step", "round", "shards", "covers"}
-        and all(type(info[k]) is int for k in ("step", "round", "shards"))
+        and set(info) == {"round", "shards", "held"}
+        and type(info["round"]) is int
+        and type(info["shards"]) is int
         and info["shards"] >= 1
-        and type(info["covers"]) is list
-        and all(type(c) is int and 0 <= c < info["shards"] for c in info["covers"])
+        and type(info["held"]) is list
+        and all(held_ok(entry, info["shards"]) for entry in info["held"])
     )
     if not ok:
         raise StateExchangeError(f"a peer's shard info is malformed: {info!r:.120}")
     return info
+
+
+def spec_of(tree: Any) -> Any:
+    """``tree`` with a :class:`TensorSpec` in place of each tensor (for :func:`check_piece`
+    on a value already received)."""
+    if isinstance(tree, torch.Tensor):
+        return TensorSpec(tree.dtype, tuple(tree.shape))
+    if type(tree) is dict:
+        return {k: spec_of(v) for k, v in tree.items()}
+    if type(tree) is list:
+        return [spec_of(v) for v in tree]
+    return tree
 
 
 def _refuse(where: str, why: str) -> StateExchangeError:

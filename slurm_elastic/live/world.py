@@ -438,8 +438,12 @@ class LiveWorld:
         """
         if self.sharding is not None:
             rebuilt = self.sharding.recover()
-            if rebuilt is not None and rebuilt[1] and self.state.progress["step"] == rebuilt[0]:
-                self.state.commit((self.round, rebuilt[0]))
+            if rebuilt is not None and rebuilt[1] is not None:
+                step, own = rebuilt
+                if isinstance(own, dict):  # kept with a neighbour copy of that step
+                    self.state.load(own)
+                if self.state.progress["step"] == step:
+                    self.state.commit((self.round, step))
         mine = self.state.commit_id if self.state.committed else (-1, -1)
         local = torch.tensor([mine[1], mine[0]], dtype=torch.int64, device=self.device())
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
@@ -455,6 +459,18 @@ class LiveWorld:
             self.state.sync(ids.index(best))
         self.dirty = False
         return True
+
+    def copy_shards(self, step: int) -> None:
+        """Collective (pairs): a neighbour copy of the sharded state at the step boundary
+        ``step``, with the rest of the state of that step (:meth:`ShardedModel.take_copy`)."""
+        if self.sharding is None:
+            return
+        started = time.monotonic()
+        with self.sharding.without_state():
+            rest = self.state.snapshot()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.sharding.take_copy(step, self.round, rest, local_world, self.device())
+        log.debug("neighbour copy of step %d in %.3f s", step, time.monotonic() - started)
 
     # -- changes ----------------------------------------------------------------------------
 

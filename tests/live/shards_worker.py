@@ -24,12 +24,14 @@ from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel
 WORLD = 4
 STEPS = 3
 # case: (replicate, the old ranks that die, the old rank that forgets what it kept and
-# joins the new world as a newcomer would, or None)
-CASES: dict[str, tuple[int, tuple[int, ...], int | None]] = {
-    "hsdp_replica_lost": (2, (2, 3), None),
-    "hsdp_one_rank_lost_and_a_newcomer": (2, (3,), 2),
-    "fsdp_shards_lost": (1, (2, 3), None),
+# joins the new world as a newcomer would (or None), the step of a neighbour copy (or 0))
+CASES: dict[str, tuple[int, tuple[int, ...], int | None, int]] = {
+    "hsdp_replica_lost": (2, (2, 3), None, 0),
+    "hsdp_one_rank_lost_and_a_newcomer": (2, (3,), 2, 0),
+    "fsdp_shards_lost": (1, (2, 3), None, 0),
+    "fsdp_neighbour_copy": (1, (2, 3), None, 2),
 }
+LOCAL_WORLD = 2  # two "nodes" of 2 ranks: a rank's neighbour is rank + 2
 
 
 def build() -> nn.Module:
@@ -61,7 +63,7 @@ def rebuilt_state(sharded: ShardedModel) -> dict[str, torch.Tensor]:
 def main() -> None:
     case, rank, port, new_port, out_dir = sys.argv[1:]
     rank_i = int(rank)
-    replicate, lost, newcomer = CASES[case]
+    replicate, lost, newcomer, copy_at = CASES[case]
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank_i, world_size=WORLD
     )
@@ -70,12 +72,18 @@ def main() -> None:
     config = FSDPConfig(build=build, shard_modules=lambda m: [m[0], m[2]], replicate=replicate)
     sharded = ShardedModel(config, net, opt)
     module = sharded.shard("cpu", WORLD)
-    for step in range(STEPS):
+    reference: dict[str, torch.Tensor] = {}
+    for step in range(1, STEPS + 1):
         torch.manual_seed(100 + 10 * step + rank_i)
         module(torch.randn(4, 5)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    reference = full_state(module, opt)
+        if step == copy_at:  # what the session does at that step boundary
+            rest = {"progress": {"step": step}, "stateful": {}}
+            sharded.take_copy(step, 0, rest, LOCAL_WORLD, torch.device("cpu"))
+            reference = full_state(module, opt)
+    if not copy_at:
+        reference = full_state(module, opt)
     dist.barrier()
     result: dict[str, Any] = {"rank": rank_i}
     out = Path(out_dir) / f"rank{rank_i}.json"
@@ -95,7 +103,13 @@ def main() -> None:
         world_size=len(survivors),
     )
     try:
-        result["recovered"] = sharded.recover()
+        recovered = sharded.recover()
+        assert recovered is not None
+        step, own = recovered
+        result["recovered"] = [step, own if own is None or isinstance(own, str) else "copy"]
+        if isinstance(own, dict):
+            result["rest_progress"] = own["progress"]
+            result["rest_has_model"] = sorted(own["stateful"]["_fsdp"]) == ["model", "optimizer"]
     except ShardsLostError as exc:
         out.write_text(json.dumps({**result, "lost_error": str(exc)}))
         return

@@ -42,10 +42,15 @@ HSDP = [pytest.param("1", id="fsdp"), pytest.param("2", id="hsdp2")]
 
 
 def _node(
-    tmp: Path, run_id: str, name: str, hsdp: str, agent_args: tuple[str, ...] = ()
+    tmp: Path,
+    run_id: str,
+    name: str,
+    hsdp: str,
+    agent_args: tuple[str, ...] = (),
+    script_args: tuple[str, ...] = (),
 ) -> LiveRun:
     return LiveRun(
-        tmp, run_id, "1:2", name, "--hsdp", hsdp, "--save-every", str(SAVE_EVERY),
+        tmp, run_id, "1:2", name, "--hsdp", hsdp, "--save-every", str(SAVE_EVERY), *script_args,
         "--pace-until-file", str(tmp / "release"),  # paced until the test's change is done
         steps=STEPS, step_time=0.1, script=SCRIPT, agent_args=agent_args,
     )  # fmt: skip
@@ -162,13 +167,40 @@ def test_hsdp_hard_loss_rebuilds_the_lost_replica_in_place(
     _assert_close_to_reference(tmp_path)
 
 
-def test_fsdp_hard_loss_restarts_from_checkpoint(tmp_path: Path, nodes: list[LiveRun]) -> None:
-    """Plain FSDP2 keeps each shard on one rank: node b's shards are gone with it, the
-    survivors' workers stop with ShardsLostError, the agent restarts them and they resume
-    from the newest checkpoint (at most ``--save-every`` steps redone)."""
+def test_fsdp_hard_loss_rebuilds_from_the_neighbours_copies_in_place(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    """Plain FSDP2 keeps each shard on one rank; with ``--copy-every 4`` every rank also
+    holds its neighbour's shards (the same local rank of the other node) of every 4th
+    step. Node b is SIGKILLed: node a's workers rebuild the newest copied step from their
+    own copies and b's and train on at world 2 in the same processes, redoing at most 4
+    steps plus the one in flight."""
     restarts = ("--max-restarts", "2")
-    a = _node(tmp_path, "fsdp-hard", "a", "1", restarts)
-    b = _node(tmp_path, "fsdp-hard", "b", "1", restarts)
+    a = _node(tmp_path, "fsdp-hard", "a", "1", restarts, ("--copy-every", "4"))
+    b = _node(tmp_path, "fsdp-hard", "b", "1", restarts, ("--copy-every", "4"))
+    nodes += [a, b]
+    a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
+    assert a.wait(240) == ExitCode.FINISHED, a.log()
+    records = ledger(tmp_path)
+    after = [r for r in records if r["step"] > killed_at + 1]
+    assert after and {r["world"] for r in after} == {2}
+    assert {r["pid"] for r in after} == a_pids, "the survivors' workers were restarted"
+    assert "ShardsLostError" not in a.log()
+    assert redone_steps(records) <= 4 + 1
+    assert_each_sample_once(records, STEPS)
+    _assert_close_to_reference(tmp_path)
+
+
+def test_fsdp_hard_loss_without_copies_restarts_from_checkpoint(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    """Plain FSDP2 without neighbour copies (``--copy-every 0``): node b's shards are
+    gone with it, the survivors' workers stop with ShardsLostError, the agent restarts
+    them and they resume from the newest checkpoint (at most ``--save-every`` steps
+    redone)."""
+    restarts = ("--max-restarts", "2")
+    a = _node(tmp_path, "fsdp-hard0", "a", "1", restarts, ("--copy-every", "0"))
+    b = _node(tmp_path, "fsdp-hard0", "b", "1", restarts, ("--copy-every", "0"))
     nodes += [a, b]
     a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
     assert a.wait(240) == ExitCode.FINISHED, a.log()

@@ -39,7 +39,7 @@ def test_chunk_bounds_are_torch_chunks(rows: int, count: int) -> None:
 
 
 def _info(step: int, covers: list[int], shards_: int = 2, round_: int = 5) -> dict[str, Any]:
-    return {"step": step, "round": round_, "shards": shards_, "covers": covers}
+    return {"round": round_, "shards": shards_, "held": [[step, covers]]}
 
 
 def test_the_plan_takes_the_newest_step_that_has_every_shard() -> None:
@@ -60,22 +60,34 @@ def test_a_full_state_covers_every_shard() -> None:
     assert plan.step == 4 and plan.sources == (1, 0)
 
 
+def test_a_neighbour_copy_of_an_older_step_is_used_when_the_live_shards_are_not_enough() -> None:
+    # plain FSDP2 over 4, ranks 2 and 3 lost: the live shards of step 9 have indices 0, 1;
+    # the copies of step 5 on ranks 0 and 1 hold their own and their neighbours' (2, 3)
+    infos = [
+        {"round": 5, "shards": 4, "held": [[5, [0, 2]], [9, [0]]]},
+        {"round": 5, "shards": 4, "held": [[5, [1, 3]], [9, [1]]]},
+    ]
+    plan = shards.plan(infos)
+    assert plan.step == 5 and plan.sources == (0, 1, 0, 1)
+
+
 def test_an_older_rounds_shards_are_not_mixed_in() -> None:
     plan = shards.plan([_info(9, [0, 1], round_=4), _info(3, [0], round_=5), _info(3, [1])])
     assert plan.round == 5 and plan.step == 3
 
 
 def test_lost_shards_are_named_and_the_fix_is_said() -> None:
-    with pytest.raises(ShardsLostError, match=r"of 4 shards.*FSDPConfig\(replicate=R\)"):
+    with pytest.raises(ShardsLostError, match=r"of 4 shards.*replicate=R.*copy_every=K"):
         shards.plan([_info(6, [0], 4), _info(6, [1], 4), None])
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        {"step": 1, "round": 1, "shards": 2, "covers": [2]},
-        {"step": "1", "round": 1, "shards": 2, "covers": [0]},
-        {"step": 1, "round": 1, "shards": 2, "covers": [0], "more": 1},
+        {"round": 1, "shards": 2, "held": [[1, [2]]]},
+        {"round": 1, "shards": 2, "held": [["1", [0]]]},
+        {"round": 1, "shards": 2, "held": [[1, [0]]], "more": 1},
+        {"round": 1, "shards": 0, "held": []},
         [1, 2],
     ],
 )
@@ -138,21 +150,25 @@ def test_a_piece_zero_with_other_buffers_or_groups_is_refused() -> None:
 
 def test_pieces_assemble_into_the_full_tensors() -> None:
     full = torch.arange(35.0).view(7, 5)
-    kept = shards.KeptShards(
-        3, 1, 3, (0, 1, 2),
-        sharded={"model": {"w": full}, "state": {"w": {"exp_avg": full * 2}}},
-        unsharded={"model": {"buf": torch.ones(4)}, "state": {"w": {"step": torch.tensor(3.0)}},
-                   "groups": [{"lr": 0.1, "params": ["w"]}]},
-        whole=True,
+    pieces = shards.make_pieces(
+        {"model": {"w": full}, "state": {"w": {"exp_avg": full * 2}}},
+        {"model": {"buf": torch.ones(4)}, "state": {"w": {"step": torch.tensor(3.0)}},
+         "groups": [{"lr": 0.1, "params": ["w"]}]},
+        (0, 1, 2), 3, whole=True,
     )  # fmt: skip
-    rebuilt = shards.assemble([kept.piece(i) for i in range(3)])
+    for index, piece in pieces.items():  # each piece passes the receiver's check
+        shards.check_piece(shards.spec_of(piece), index, 3, {**PARAMS, "buf": (torch.float32, (4,))},
+                           PARAMS, [["w"]])  # fmt: skip
+    rebuilt = shards.assemble([pieces[i] for i in range(3)])
     assert torch.equal(rebuilt["model"]["w"], full)
     assert torch.equal(rebuilt["model"]["buf"], torch.ones(4))
     assert torch.equal(rebuilt["optimizer"]["state"]["w"]["exp_avg"], full * 2)
     assert float(rebuilt["optimizer"]["state"]["w"]["step"]) == 3.0
     assert rebuilt["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    kept = shards.KeptShards(1, 3, {4: pieces})
+    assert kept.info() == {"round": 1, "shards": 3, "held": [[4, [0, 1, 2]]]}
     with pytest.raises(ValueError, match="not kept here"):
-        shards.KeptShards(3, 1, 2, (1,), {"model": {}, "state": {}}, {}).piece(0)
+        kept.piece(3, 0)
 
 
 def _run(case: str, tmp: Path, deadline_s: float = 180) -> list[dict[str, Any]]:
@@ -192,7 +208,7 @@ def test_a_lost_hsdp_replica_is_rebuilt_from_the_other_bitwise(tmp_path: Path) -
     replica 0 and rebuild every parameter and optimizer tensor exactly."""
     results = _run("hsdp_replica_lost", tmp_path)
     for r in results[:2]:
-        assert r["recovered"] == [3, True], r
+        assert r["recovered"] == [3, "live"], r
         assert r["keys_equal"] and not r["unequal"], r
         assert r["lr"] == [0.01] and r["trained_on"], r
 
@@ -204,7 +220,7 @@ def test_survivors_of_both_replicas_and_a_newcomer_get_the_same_state(tmp_path: 
     assert results[3].get("lost")
     for r in results[:3]:
         assert r["keys_equal"] and not r["unequal"] and r["trained_on"], r
-    assert [r["recovered"] for r in results[:3]] == [[3, True], [3, True], [3, False]]
+    assert [r["recovered"] for r in results[:3]] == [[3, "live"], [3, "live"], [3, None]]
 
 
 def test_lost_fsdp_shards_raise_on_every_survivor(tmp_path: Path) -> None:
@@ -213,4 +229,16 @@ def test_lost_fsdp_shards_raise_on_every_survivor(tmp_path: Path) -> None:
     results = _run("fsdp_shards_lost", tmp_path)
     for r in results[:2]:
         assert "lost_error" in r, r
-        assert "of 4 shards" in r["lost_error"] and "(3, (0,))" in r["lost_error"], r
+        assert "indices {3: [0, 1]} (by step) of 4 shards" in r["lost_error"], r
+
+
+def test_lost_fsdp_shards_come_back_from_the_neighbours_copies(tmp_path: Path) -> None:
+    """Plain FSDP2 over two "nodes" of 2 ranks, a neighbour copy at step 2 (each rank's
+    shards went to rank + 2 and came from rank - 2); ranks 2 and 3 die after step 3:
+    ranks 0 and 1 rebuild step 2 bitwise from their own copies and their neighbours',
+    with the session's other state of step 2 kept beside them."""
+    results = _run("fsdp_neighbour_copy", tmp_path)
+    for r in results[:2]:
+        assert r["recovered"] == [2, "copy"], r
+        assert r["keys_equal"] and not r["unequal"] and r["trained_on"], r
+        assert r["rest_progress"] == {"step": 2} and r["rest_has_model"], r
