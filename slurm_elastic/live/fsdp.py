@@ -349,10 +349,12 @@ class ShardedModel:
         every = self.config.copy_every
         return DEFAULT_COPY_EVERY if every is None else every
 
-    def copy_due(self, step: int) -> bool:
-        """Whether the step boundary ``step`` takes a neighbour copy (same on every rank)."""
+    def copy_due(self, step: int, local_world: int) -> bool:
+        """Whether the step boundary ``step`` takes a neighbour copy (the same on every
+        rank): copies are on, ``step`` is one of theirs and there is another node
+        (``local_world``: ranks per node)."""
         every = self.copy_every()
-        return every > 0 and step > 0 and step % every == 0 and self._mesh.size() > 1
+        return every > 0 and step > 0 and step % every == 0 and self._mesh.size() > local_world
 
     @contextmanager
     def without_state(self) -> Iterator[None]:

@@ -547,8 +547,8 @@ class ElasticSession:
         """A boundary's commit and checkpoint, when their step has come (collective)."""
         if self.commit_every and self.step_count % self.commit_every == 0:
             self.world.commit(self.step_count, background=self.async_commit)
-        if self.sharded is not None and self.sharded.copy_due(self.step_count):
-            self.world.copy_shards(self.step_count)
+        if self.sharded is not None:
+            self.world.copy_shards(self.step_count)  # when one is due
         epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
         if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
             self.save(blocking=False)

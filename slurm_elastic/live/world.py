@@ -461,14 +461,15 @@ class LiveWorld:
         return True
 
     def copy_shards(self, step: int) -> None:
-        """Collective (pairs): a neighbour copy of the sharded state at the step boundary
-        ``step``, with the rest of the state of that step (:meth:`ShardedModel.take_copy`)."""
-        if self.sharding is None:
+        """Collective (pairs), when due at the step boundary ``step``: a neighbour copy of
+        the sharded state with the rest of the state of that step
+        (:meth:`ShardedModel.take_copy`)."""
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.sharding is None or not self.sharding.copy_due(step, local_world):
             return
         started = time.monotonic()
         with self.sharding.without_state():
             rest = self.state.snapshot()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.sharding.take_copy(step, self.round, rest, local_world, self.device())
         log.debug("neighbour copy of step %d in %.3f s", step, time.monotonic() - started)
 

@@ -63,6 +63,8 @@ def test_config_errors_name_the_value_and_the_rule() -> None:
         FSDPConfig(build=_net, replicate=0)
     with pytest.raises(TypeError, match=r"build=3 is not callable"):
         FSDPConfig(build=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"copy_every=-1 must be an integer >= 0 steps"):
+        FSDPConfig(build=_net, copy_every=-1)
 
 
 @pytest.mark.parametrize(
