@@ -56,7 +56,7 @@ def _use(device: torch.device) -> None:
 
 def _sync(device: torch.device) -> None:
     if not DRY:
-        _sync(device)
+        torch.cuda.synchronize(device)
 
 
 def _mem(device: torch.device) -> int:
