@@ -10,8 +10,11 @@ Baseline: the plain loop (forward, backward, ``optimizer.step()``), median ms pe
 Ours, each the same loop plus a commit of the whole state (parameters, buffers and Adam's
 moments):
 
+* ``fresh_pageable_every_step``: a synchronous copy to fresh pageable host tensors at
+  every step (what ``ElasticState.commit()`` did until 2026-12-04, and ``commit_every=1``
+  cost before #20), 3 steps only;
 * ``foreground_every_step``: ``ElasticState.commit()`` at every step: a synchronous copy
-  to fresh pageable host tensors (what ``commit_every=1`` cost before #20);
+  into host buffers reused from one commit to the next (pinned);
 * ``background_every_step``: ``commit(background=True)`` at every step: pinned buffers
   reused, the copy on a side stream while the next forward and backward run (the
   optimizer's step waits for it);
@@ -38,7 +41,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slurm_elastic.live.state import ElasticState  # noqa: E402
+from slurm_elastic.live.state import ElasticState
+from slurm_elastic.training.state import host_copy
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     state_gb = loop.nbytes() / 1e9
     cases: dict[str, list[float]] = {}
     cases["plain"] = timed(loop, args.steps, lambda i: None)
+    cases["fresh_pageable_every_step"] = timed(
+        loop, 3, lambda i: host_copy(loop.state.state_dict())
+    )
     cases["foreground_every_step"] = timed(loop, args.steps, lambda i: loop.state.commit())
     loop.state.commit(background=True)  # buffers allocated and pinned once
     loop.state.wait()
@@ -154,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     print(f"state {state_gb:.2f} GB on {device}; device-to-host GB/s: {common['d2h_gb_s']}")
     print(f"{'case':<28}{'ours ms':>10}{'plain ms':>10}{'ratio':>8}")
-    for case in ("foreground_every_step", "background_every_step", "background_every_50"):
+    for case in (
+        "fresh_pageable_every_step",
+        "foreground_every_step",
+        "background_every_step",
+        "background_every_50",
+    ):
         ts = cases[case]
         ours = statistics.mean(ts) if case.endswith("_50") else statistics.median(ts)
         row = {

@@ -17,7 +17,9 @@ while it was being copied is detected (its version counter) and the commit refus
 an error that names it: no torn commit is ever restored or sent. Whoever changes
 parameters outside ``optimizer.step()`` calls :meth:`ElasticState.wait` first, or commits
 in the foreground (the default). Two sets of host buffers alternate, so the commit in
-force stays whole while the next one is copied.
+force stays whole while the next one is copied. A foreground commit copies into one set
+of buffers of its own, reused from one commit to the next (pinned for CUDA tensors, on a
+side stream): the previous commit is given up before it is overwritten.
 
 The model keeps its ``Parameter`` objects across restore/sync (``load_state_dict`` copies
 into them), so an optimizer built on them stays valid and is never rebuilt. The
@@ -80,6 +82,7 @@ class ElasticState(TrainingState):
         self._commit: dict[str, Any] | None = None
         self._commit_id: tuple[int, int] = (-1, -1)
         self._stagers: list[HostStager] = []  # created on the first background commit
+        self._foreground: HostStager | None = None  # the foreground commits' buffers
         self._round: StagingRound | None = None
 
     @property
@@ -115,8 +118,7 @@ class ElasticState(TrainingState):
         """
         self.wait()
         if not background or self.optimizer is None:
-            self._commit = self.snapshot()
-            self._commit_id = commit_id
+            self._commit_now(commit_id)
             return
         if not self._stagers:
             self._stagers = [HostStager(), HostStager()]
@@ -126,6 +128,16 @@ class ElasticState(TrainingState):
         snap, self._round = self._stagers[0].begin(live)
         snap.update(at_once)
         self._commit = snap
+        self._commit_id = commit_id
+
+    def _commit_now(self, commit_id: tuple[int, int]) -> None:
+        """A foreground commit into host buffers reused from one commit to the next
+        (pinned for CUDA tensors): no fresh allocation to fault in each time (measured on
+        an H200, 6.4 GB: 6.1 s into fresh pageable tensors, bench/gpu_copy_check.py)."""
+        if self._foreground is None:
+            self._foreground = HostStager()
+        self._commit, self._commit_id = None, (-1, -1)  # its buffers are rewritten now
+        self._commit = self._foreground.stage(self.state_dict())
         self._commit_id = commit_id
 
     def wait(self) -> None:
