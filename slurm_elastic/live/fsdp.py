@@ -403,12 +403,22 @@ class ShardedModel:
         )
         return 8 * nbytes + (1 << 20)
 
-    def keep_shards(self, step: int, round_: int, world_size: int) -> None:
+    def keep_shards(
+        self,
+        step: int,
+        round_: int,
+        world_size: int,
+        commit: tuple[int, dict[str, Any]] | None = None,
+        *,
+        saved: int = -1,
+    ) -> None:
         """Local, at a failed collective, before :meth:`release`: keep what this rank
         holds of the state for :meth:`recover`: its live shard at ``step`` (round
         ``round_``, a world of ``world_size``) or a full state gathered since the last
-        optimizer step, and the neighbour copy with the session's other state of its
-        step."""
+        optimizer step, the neighbour copy with the session's other state of its step,
+        and the session's last commit (``(step, tree)``: a full state taken at a change
+        or at the start, with everything else of that step). ``saved``: the step of the
+        newest checkpoint (an older step is not rebuilt: the checkpoint is newer)."""
         count = mesh_shape(world_size, self.config.replicate)[1]
         held: dict[int, dict[int, dict[str, Any]]] = {}
         if self._fresh and self._full is not None:
@@ -430,7 +440,14 @@ class ShardedModel:
             for index, piece in copy.pieces.items():
                 held.setdefault(copy.step, {}).setdefault(index, piece)
             self._own.setdefault(copy.step, copy.rest)
-        self._kept = KeptShards(round_, count, held) if held else None
+        full = (commit[1].get("stateful") or {}).get(STATE_KEY) if commit else None
+        if commit is not None and full and full.get("model"):  # not a copy's placeholder
+            sharded, unsharded = shards.full_parts(full, self._params)
+            every = tuple(range(count))
+            for index, piece in shards.make_pieces(sharded, unsharded, every, count, True).items():
+                held.setdefault(commit[0], {}).setdefault(index, piece)
+            self._own.setdefault(commit[0], commit[1])
+        self._kept = KeptShards(round_, count, held, saved) if held else None
 
     def recover(self) -> tuple[int, str | dict[str, Any] | None] | None:
         """Collective over the new world (every rank, newcomers too): rebuild the full
@@ -482,6 +499,7 @@ class ShardedModel:
             plan.round,
             plan.shards,
             {plan.step: shards.make_pieces(sharded, unsharded, every, plan.shards, True)},
+            plan.step,
         )
         self._own = {plan.step: None} if own is not None else {}
         log.info(

@@ -312,7 +312,7 @@ class ElasticSession:
         if resumed is None:
             return
         path, info = resumed
-        self._saved_step = info.step
+        self._saved_step = self.world.saved_step = info.step
         self.resumed_from = str(path)
         self.resume_extra = dict(info.extra)
         self.resume_world_size = info.saved_world_size
@@ -571,7 +571,7 @@ class ElasticSession:
             self.sharded.gather()  # collective: the full state goes into the bundle
         bundle = to_bundle(self.state, self.sampler.global_batch_size, self.extra or None)
         self.checkpoint.save(bundle, self.step_count, blocking=blocking)
-        self._saved_step = self.step_count
+        self._saved_step = self.world.saved_step = self.step_count
 
 
 def _check_options(commit_every: int, stall_abort_s: float | None) -> None:

@@ -253,11 +253,14 @@ class KeptShards:
         held: ``{step: {shard index: piece}}`` (:func:`make_pieces`): its live shard at
             the failure, a full state gathered since the last step (every index), and
             a periodic copy (its own shard and its neighbour's, of an older step).
+        saved: the step of the newest checkpoint this rank saved or resumed from (-1:
+            none): a step older than that is not rebuilt.
     """
 
     round: int
     shards: int
     held: dict[int, dict[int, dict[str, Any]]]
+    saved: int = -1
 
     def info(self) -> dict[str, Any]:
         """What the plan needs of this rank (a small JSON value)."""
@@ -265,6 +268,7 @@ class KeptShards:
             "round": self.round,
             "shards": self.shards,
             "held": [[step, sorted(pieces)] for step, pieces in sorted(self.held.items())],
+            "saved": self.saved,
         }
 
     def piece(self, step: int, index: int) -> dict[str, Any]:
@@ -310,8 +314,14 @@ def plan(infos: list[Any]) -> Plan:
         for step, indices in info["held"]:
             for index in indices:
                 holders.setdefault(step, {}).setdefault(index, rank)
+    saved = max(info["saved"] for _, info in kept)
     for step in sorted(holders, reverse=True):
         if len(holders[step]) == count:
+            if step < saved:
+                raise ShardsLostError(
+                    f"the newest step the survivors hold whole in memory is {step}, the newest "
+                    f"checkpoint is of step {saved}: restart from the checkpoint"
+                )
             return Plan(step, newest, count, tuple(holders[step][i] for i in range(count)))
     have = {step: sorted(by) for step, by in sorted(holders.items())}
     raise ShardsLostError(
@@ -334,7 +344,8 @@ def _valid(info: Any) -> dict[str, Any]:
 
     ok = (
         type(info) is dict
-        and set(info) == {"round", "shards", "held"}
+        and set(info) == {"round", "shards", "held", "saved"}
+        and type(info["saved"]) is int
         and type(info["round"]) is int
         and type(info["shards"]) is int
         and info["shards"] >= 1
@@ -435,7 +446,7 @@ def assemble(pieces: list[dict[str, Any]]) -> dict[str, Any]:
     """The full state (:meth:`~slurm_elastic.live.fsdp.ShardedModel.gather`'s layout)
     from checked pieces ``0..S-1``: each sharded tensor is its chunks concatenated."""
     first = pieces[0]
-    unsharded = first["unsharded"]
+    unsharded = _own_copy(first["unsharded"])  # the sender's own tensors, on the sender
     model = dict(unsharded["model"])
     for key in first["model"]:
         model[key] = torch.cat([p["model"][key] for p in pieces])
@@ -451,3 +462,13 @@ def assemble(pieces: list[dict[str, Any]]) -> dict[str, Any]:
                 )
             state.setdefault(fqn, {})[key] = torch.cat([p["state"][fqn][key] for p in pieces])
     return {"model": model, "optimizer": {"state": state, "param_groups": unsharded["groups"]}}
+
+
+def _own_copy(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _own_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_own_copy(v) for v in tree]
+    return tree

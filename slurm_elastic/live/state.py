@@ -96,6 +96,13 @@ class ElasticState(TrainingState):
         bitwise-equal commits (same history)."""
         return self._commit_id
 
+    def last_commit(self) -> tuple[int, dict[str, Any]] | None:
+        """The step and tree of the last commit (read only: do not change it), if any."""
+        self.wait()
+        if self._commit is None:
+            return None
+        return self._commit_id[1], self._commit
+
     def snapshot(self) -> dict[str, Any]:
         """A host-memory copy of the current state (:meth:`state_dict`'s layout)."""
         return host_copy(self.state_dict())

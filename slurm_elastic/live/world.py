@@ -155,6 +155,8 @@ class LiveWorld:
         self.in_place = in_place
         self.round = int(os.environ.get(roster.ROUND_ENV, "0"))
         self.dirty = False
+        #: the step of the newest checkpoint this rank saved or resumed from (-1: none)
+        self.saved_step = -1
         self._ddp: nn.Module | None = None
         self._watch: roster.AssignmentWatch | None = None
         self._pending: _Pending | None = None
@@ -528,7 +530,10 @@ class LiveWorld:
         if self.sharding is not None:
             # The live state is in shards: keep this rank's before they go; the new
             # world rebuilds the whole from the survivors' (sync_state).
-            self.sharding.keep_shards(failed_step, self.round, self.world_size)
+            self.sharding.keep_shards(
+                failed_step, self.round, self.world_size, self.state.last_commit(),
+                saved=self.saved_step,
+            )  # fmt: skip
         self.teardown()
         if self.sharding is None and keep_live:
             self.state.commit((self.round, failed_step))

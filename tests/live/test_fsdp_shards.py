@@ -39,7 +39,7 @@ def test_chunk_bounds_are_torch_chunks(rows: int, count: int) -> None:
 
 
 def _info(step: int, covers: list[int], shards_: int = 2, round_: int = 5) -> dict[str, Any]:
-    return {"round": round_, "shards": shards_, "held": [[step, covers]]}
+    return {"round": round_, "shards": shards_, "held": [[step, covers]], "saved": -1}
 
 
 def test_the_plan_takes_the_newest_step_that_has_every_shard() -> None:
@@ -64,11 +64,24 @@ def test_a_neighbour_copy_of_an_older_step_is_used_when_the_live_shards_are_not_
     # plain FSDP2 over 4, ranks 2 and 3 lost: the live shards of step 9 have indices 0, 1;
     # the copies of step 5 on ranks 0 and 1 hold their own and their neighbours' (2, 3)
     infos = [
-        {"round": 5, "shards": 4, "held": [[5, [0, 2]], [9, [0]]]},
-        {"round": 5, "shards": 4, "held": [[5, [1, 3]], [9, [1]]]},
+        {"round": 5, "shards": 4, "held": [[5, [0, 2]], [9, [0]]], "saved": -1},
+        {"round": 5, "shards": 4, "held": [[5, [1, 3]], [9, [1]]], "saved": 3},
     ]
     plan = shards.plan(infos)
     assert plan.step == 5 and plan.sources == (0, 1, 0, 1)
+
+
+def test_a_checkpoint_newer_than_every_whole_step_in_memory_wins() -> None:
+    infos = [
+        {"round": 5, "shards": 2, "held": [[0, [0, 1]], [14, [0]]], "saved": 10},
+        {"round": 5, "shards": 2, "held": [[0, [0, 1]], [14, [0]]], "saved": 10},
+    ]
+    with pytest.raises(
+        ShardsLostError, match="in memory is 0, the newest checkpoint is of step 10"
+    ):
+        shards.plan(infos)
+    infos[0]["saved"] = infos[1]["saved"] = -1
+    assert shards.plan(infos).step == 0
 
 
 def test_an_older_rounds_shards_are_not_mixed_in() -> None:
@@ -84,10 +97,11 @@ def test_lost_shards_are_named_and_the_fix_is_said() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        {"round": 1, "shards": 2, "held": [[1, [2]]]},
-        {"round": 1, "shards": 2, "held": [["1", [0]]]},
-        {"round": 1, "shards": 2, "held": [[1, [0]]], "more": 1},
-        {"round": 1, "shards": 0, "held": []},
+        {"round": 1, "shards": 2, "held": [[1, [2]]], "saved": -1},
+        {"round": 1, "shards": 2, "held": [["1", [0]]], "saved": -1},
+        {"round": 1, "shards": 2, "held": [[1, [0]]], "saved": -1, "more": 1},
+        {"round": 1, "shards": 0, "held": [], "saved": -1},
+        {"round": 1, "shards": 2, "held": [[1, [0]]]},
         [1, 2],
     ],
 )
@@ -166,7 +180,7 @@ def test_pieces_assemble_into_the_full_tensors() -> None:
     assert float(rebuilt["optimizer"]["state"]["w"]["step"]) == 3.0
     assert rebuilt["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
     kept = shards.KeptShards(1, 3, {4: pieces})
-    assert kept.info() == {"round": 1, "shards": 3, "held": [[4, [0, 1, 2]]]}
+    assert kept.info() == {"round": 1, "shards": 3, "held": [[4, [0, 1, 2]]], "saved": -1}
     with pytest.raises(ValueError, match="not kept here"):
         kept.piece(3, 0)
 
