@@ -5,7 +5,9 @@ plain loop: the model is sharded on a device mesh over the current world (``--hs
 ``(replicate, shard)`` mesh with R replicas) and re-sharded in place when a node joins or
 leaves with notice: survivors keep their processes, a newcomer gets its shards from the
 survivors over the network (tensors plus a JSON description, no pickle), no step is lost
-and every sample is used once per epoch. The same flags and ledger rows as
+and every sample is used once per epoch. A node lost without notice is rebuilt in place
+from the survivors' shards: a surviving replica with ``--hsdp R``, else the copies each
+rank keeps of its neighbour node's shards every ``--copy-every`` steps (default 50). The same flags and ledger rows as
 ``examples/train_ddp.py``, so the same tests and benches run it::
 
     slurm-elastic agent --nnodes 1:4 --nproc-per-node 2 examples/train_fsdp.py --steps 200

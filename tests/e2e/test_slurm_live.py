@@ -219,6 +219,7 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
         "--steps", "400", "--dataset-size", str(DATASET), "--global-batch", "12",
         "--save-every", "20", "--step-time", "0.1", "--reform-timeout", "0.5",
         "--out", str(tmp_path / "params.pt"), "--ledger", str(tmp_path / "ledger.jsonl"),
+        "--pace-until-file", str(tmp_path / "release"),  # paced until the fallback is seen
     ]  # fmt: skip
     values = job_values(
         tmp_path, "elastic_array", train_args, nnodes="1:2", nproc_per_node=1,
@@ -247,6 +248,7 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim_agent, signal.SIGKILL)  # its task ends; the survivor goes on
+        (tmp_path / "release").touch()  # the rest only has to finish
         (survivor,) = after
         assert survivor != keep, "the fallback restarts the workers: a new process"
         assert task_of(survivor)[0] == keep_task, "restarted by the surviving task's agent"

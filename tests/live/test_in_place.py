@@ -172,7 +172,8 @@ def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: lis
     # restarts them from the last checkpoint. (A killed agent is evicted at once by its
     # link, and the in-place re-formation would succeed.)
     steps = 300
-    args = ("--reform-timeout", "0.5", "--save-every", "10")
+    release = tmp_path / "release"  # paced until the restarted workers train
+    args = ("--reform-timeout", "0.5", "--save-every", "10", "--pace-until-file", str(release))
     a = LiveRun(tmp_path, "fb1", "1:2", "a", *args, steps=steps, agent_args=("--max-restarts", "1"))
     b = LiveRun(tmp_path, "fb1", "1:2", "b", *args, steps=steps, agent_args=("--max-restarts", "1"))
     nodes += [a, b]
@@ -182,6 +183,12 @@ def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: lis
     os.killpg(b.proc.pid, signal.SIGSTOP)  # the agent (its workers run in their own sessions)
     for pid in b_workers:
         os.kill(pid, signal.SIGKILL)
+    wait_for(
+        lambda: any(r["pid"] not in a_pids | b_workers for r in ledger(tmp_path)),
+        120,
+        "the restarted workers to train",
+    )
+    release.touch()
     assert a.wait(150) == ExitCode.FINISHED, a.log()
     records = ledger(tmp_path)
     last = [r for r in records if r["step"] == steps]
