@@ -435,6 +435,8 @@ class _Fold:
                         "unreachable": "evicted (unreachable)",
                     }.get(e.cause, "evicted (no heartbeat)")
                     out.marks.append((e.time, gone.key, "evicted"))
+                    if e.cause == "link":  # its process is gone: it writes no exit
+                        self.alive -= {a for a, k in out.agents.items() if k == gone.key}
         elif isinstance(e, ev.AgentRequeued) and node is not None:
             node.state = "requeued"
             out.marks.append((e.time, node.key, "requeue"))

@@ -196,3 +196,11 @@ def test_status_says_why_a_node_was_evicted() -> None:
     states = {n.rank: n.state for n in summary.nodes.values()}
     assert states[1] == "evicted (process gone)"
     assert states[2] == "evicted (no heartbeat)"
+    assert summary.state == "RUNNING"  # node 1 runs; node 3 may only be silent
+    # node 1 finishes: the run is over (node 2's killed agent never writes its exit; a
+    # run that lost a node for good used to stay RUNNING forever; found using the
+    # product by hand, 2026-12-04); node 3's silent agent may still be alive
+    evs.append(events.AgentExit(time=12.0, code="FINISHED", **watcher))
+    assert summarize_run("r", "/nowhere", evs, now=13.0).state == "RUNNING"
+    evs.append(events.RendezvousEvicted(time=12.5, nodes=["h_3_0"], cause="link", **watcher))
+    assert summarize_run("r", "/nowhere", evs, now=13.0).state == "COMPLETED"
