@@ -186,7 +186,9 @@ def test_pieces_assemble_into_the_full_tensors() -> None:
 
 
 def _run(case: str, tmp: Path, deadline_s: float = 180) -> list[dict[str, Any]]:
-    port, new_port = free_port(), free_port()
+    port = new_port = free_port()
+    while new_port == port:  # the new group's store must not meet the old one's
+        new_port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
