@@ -566,49 +566,8 @@ class ShardedModel:
         Raises:
             StateExchangeError: names the first difference.
         """
-        if type(spec) is not dict or set(spec) != {"model", "optimizer"}:
-            raise _refuse("parts", "expected ['model', 'optimizer']")
-        model = spec["model"]
-        if type(model) is not dict or set(model) != set(self._template):
-            have = sorted(model)[:5] if type(model) is dict else type(model).__name__
-            raise _refuse("model", f"keys {have}, this model has {sorted(self._template)[:5]}")
-        for key, (dtype, shape) in self._template.items():
-            got = model[key]
-            if not isinstance(got, exchange.TensorSpec) or (got.dtype, got.shape) != (
-                dtype,
-                shape,
-            ):
-                raise _refuse(f"model[{key!r}]", f"{got!r:.80}, this rank has {dtype} {shape}")
-        opt = spec["optimizer"]
-        if type(opt) is not dict or set(opt) != {"state", "param_groups"}:
-            raise _refuse("optimizer", "expected ['state', 'param_groups']")
-        groups = opt["param_groups"]
         want = self._groups if self.optimizer is not None else []
-        if type(groups) is not list or len(groups) != len(want):
-            raise _refuse("optimizer.param_groups", f"expected {len(want)} groups")
-        for i, (group, names) in enumerate(zip(groups, want, strict=True)):
-            if type(group) is not dict or group.get("params") != names:
-                raise _refuse(f"optimizer.param_groups[{i}]", "different parameters")
-            if any(isinstance(v, exchange.TensorSpec) for v in group.values()):
-                raise _refuse(f"optimizer.param_groups[{i}]", "a tensor hyperparameter")
-        state = opt["state"]
-        if type(state) is not dict:
-            raise _refuse("optimizer.state", "not a mapping")
-        for name, entry in state.items():
-            if name not in self._params or type(entry) is not dict:
-                raise _refuse(f"optimizer.state[{name!r}]", "not a parameter of this model")
-            dtype, shape = self._params[name]
-            for key, value in entry.items():
-                if (
-                    isinstance(value, exchange.TensorSpec)
-                    and value.shape != ()
-                    and (value.shape != shape or value.dtype != dtype)
-                ):
-                    raise _refuse(
-                        f"optimizer.state[{name!r}][{key!r}]",
-                        f"{value.dtype} {list(value.shape)}, the parameter is {dtype} "
-                        f"{list(shape)}",
-                    )
+        shards.check_full(spec, self._template, self._params, want, _refuse)
 
 
 def sharded_parts(

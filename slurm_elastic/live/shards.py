@@ -36,7 +36,7 @@ most the step in flight is redone.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ __all__ = [
     "NotKept",
     "Plan",
     "assemble",
+    "check_full",
     "check_piece",
     "chunk_bounds",
     "full_parts",
@@ -378,6 +379,34 @@ def _check_tensor(where: str, got: Any, dtype: torch.dtype, shape: tuple[int, ..
         raise _refuse(where, f"{got!r:.80}, expected {dtype} {list(shape)}")
 
 
+def _entries(
+    state: Any, params: Shapes, where: str, refuse: Callable[[str, str], StateExchangeError]
+) -> Iterator[tuple[str, Any, torch.dtype, tuple[int, ...]]]:
+    """Each ``(where, value, dtype, shape)`` of an optimizer state tree whose entries must
+    name parameters (their dtype and full shape given)."""
+    if type(state) is not dict:
+        raise refuse(where, "not a mapping")
+    for fqn, entry in state.items():
+        if fqn not in params or type(entry) is not dict:
+            raise refuse(f"{where}[{fqn!r}]", "not a parameter of this model")
+        dtype, shape = params[fqn]
+        for key, value in entry.items():
+            yield f"{where}[{fqn!r}][{key!r}]", value, dtype, shape
+
+
+def _check_groups(
+    got: Any, groups: list[list[str]], where: str, refuse: Callable[[str, str], StateExchangeError]
+) -> None:
+    """The optimizer's parameter groups: the same FQNs each, no tensor hyperparameter."""
+    if type(got) is not list or len(got) != len(groups):
+        raise refuse(where, f"expected {len(groups)} groups")
+    for i, (group, names) in enumerate(zip(got, groups, strict=True)):
+        if type(group) is not dict or group.get("params") != names:
+            raise refuse(f"{where}[{i}]", "different parameters")
+        if any(isinstance(v, TensorSpec) for v in group.values()):
+            raise refuse(f"{where}[{i}]", "a tensor hyperparameter")
+
+
 def check_piece(
     spec: Any, index: int, shards: int, template: Shapes, params: Shapes, groups: list[list[str]]
 ) -> None:
@@ -400,17 +429,8 @@ def check_piece(
         raise _refuse("model", f"expected the parameters {sorted(params)[:5]}")
     for key, (dtype, shape) in params.items():
         _check_tensor(f"model[{key!r}]", model[key], dtype, _chunk_shape(shape, index, shards))
-    state = spec["state"]
-    if type(state) is not dict:
-        raise _refuse("state", "not a mapping")
-    for fqn, entry in state.items():
-        if fqn not in params or type(entry) is not dict:
-            raise _refuse(f"state[{fqn!r}]", "not a parameter of this model")
-        dtype, shape = params[fqn]
-        for key, value in entry.items():
-            _check_tensor(
-                f"state[{fqn!r}][{key!r}]", value, dtype, _chunk_shape(shape, index, shards)
-            )
+    for where, value, dtype, shape in _entries(spec["state"], params, "state", _refuse):
+        _check_tensor(where, value, dtype, _chunk_shape(shape, index, shards))
     if index == 0:
         _check_unsharded(spec["unsharded"], template, params, groups)
 
@@ -423,23 +443,51 @@ def _check_unsharded(spec: Any, template: Shapes, params: Shapes, groups: list[l
         raise _refuse("unsharded.model", f"expected the buffers {sorted(buffers)[:5]}")
     for key, (dtype, shape) in buffers.items():
         _check_tensor(f"buffer {key!r}", spec["model"][key], dtype, shape)
-    state = spec["state"]
-    if type(state) is not dict:
-        raise _refuse("unsharded.state", "not a mapping")
-    for fqn, entry in state.items():
-        if fqn not in params or type(entry) is not dict:
-            raise _refuse(f"unsharded.state[{fqn!r}]", "not a parameter of this model")
-        for key, value in entry.items():
-            if isinstance(value, TensorSpec) and value.shape != ():
-                raise _refuse(f"unsharded.state[{fqn!r}][{key!r}]", "not a scalar")
-    got = spec["groups"]
-    if type(got) is not list or len(got) != len(groups):
-        raise _refuse("param_groups", f"expected {len(groups)} groups")
-    for i, (group, names) in enumerate(zip(got, groups, strict=True)):
-        if type(group) is not dict or group.get("params") != names:
-            raise _refuse(f"param_groups[{i}]", "different parameters")
-        if any(isinstance(v, TensorSpec) for v in group.values()):
-            raise _refuse(f"param_groups[{i}]", "a tensor hyperparameter")
+    for where, value, _, _ in _entries(spec["state"], params, "unsharded.state", _refuse):
+        if isinstance(value, TensorSpec) and value.shape != ():
+            raise _refuse(where, "not a scalar")
+    _check_groups(spec["groups"], groups, "param_groups", _refuse)
+
+
+def check_full(
+    spec: Any,
+    template: Shapes,
+    params: Shapes,
+    groups: list[list[str]],
+    refuse: Callable[[str, str], StateExchangeError],
+) -> None:
+    """Refuse an announced full state (``{"model", "optimizer"}``, a :class:`TensorSpec`
+    per tensor) unless it has this model's structure: exactly ``template``'s keys with
+    their full shapes and dtypes; the parameter groups ``groups`` (same FQNs, no tensor
+    among the hyperparameters); optimizer state entries naming parameters, each tensor of
+    its parameter's shape and dtype or a scalar.
+
+    Raises:
+        StateExchangeError: ``refuse(where, why)`` for the first difference.
+    """
+    if type(spec) is not dict or set(spec) != {"model", "optimizer"}:
+        raise refuse("parts", "expected ['model', 'optimizer']")
+    model = spec["model"]
+    if type(model) is not dict or set(model) != set(template):
+        have = sorted(model)[:5] if type(model) is dict else type(model).__name__
+        raise refuse("model", f"keys {have}, this model has {sorted(template)[:5]}")
+    for key, (dtype, shape) in template.items():
+        got = model[key]
+        if not isinstance(got, TensorSpec) or (got.dtype, got.shape) != (dtype, shape):
+            raise refuse(f"model[{key!r}]", f"{got!r:.80}, this rank has {dtype} {shape}")
+    opt = spec["optimizer"]
+    if type(opt) is not dict or set(opt) != {"state", "param_groups"}:
+        raise refuse("optimizer", "expected ['state', 'param_groups']")
+    _check_groups(opt["param_groups"], groups, "optimizer.param_groups", refuse)
+    for where, value, dtype, shape in _entries(opt["state"], params, "optimizer.state", refuse):
+        if (
+            isinstance(value, TensorSpec)
+            and value.shape != ()
+            and (value.shape != shape or value.dtype != dtype)
+        ):
+            raise refuse(
+                where, f"{value.dtype} {list(value.shape)}, the parameter is {dtype} {list(shape)}"
+            )
 
 
 def assemble(pieces: list[dict[str, Any]]) -> dict[str, Any]:
