@@ -49,6 +49,8 @@ the builtin (``ValueError``, ``TimeoutError``, ...) catches ours too.
     │                                  large, or not this rank's structure): nothing of
     │                                  the receiver's was replaced
     ├── ShardsLostError                a peer's shards are gone, no newer full copy
+    ├── ShardsNotKeptError             this rank's model is not sharded as FSDP2 does:
+    │                                  it keeps no shard for a recovery
     ├── PeerLostError                  (also RuntimeError) a peer of the process group
     │   │                              is gone (its gloo group could not form)
     │   └── RoundSupersededError       a newer round is assigned while this one's store
@@ -95,6 +97,7 @@ __all__ = [
     "RunIdInUseError",
     "RunNotFoundError",
     "ShardsLostError",
+    "ShardsNotKeptError",
     "SlurmCommandError",
     "SlurmCommandNotFoundError",
     "SlurmControllerError",
@@ -280,6 +283,10 @@ class StateExchangeError(SlurmElasticError):
 
 class ShardsLostError(SlurmElasticError):
     """A peer's shards are gone and no full copy newer than the last step exists."""
+
+
+class ShardsNotKeptError(SlurmElasticError):
+    """This rank's module is not sharded as FSDP2 shards it: it keeps nothing."""
 
 
 class PeerLostError(SlurmElasticError, RuntimeError):

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from slurm_elastic.checkpoint import exchange
-from slurm_elastic.errors import ShardsLostError, StateExchangeError
+from slurm_elastic.errors import ShardsLostError, ShardsNotKeptError, StateExchangeError
 from slurm_elastic.live import shards
 from slurm_elastic.live.shards import KeptShards
 
@@ -342,18 +342,13 @@ class ShardedModel:
 
     # -- a hard loss: the state rebuilt from the survivors' shards (live/shards.py) -------
 
-    def copy_every(self) -> int:
-        """Steps between neighbour copies on the current mesh (0: none)."""
-        if self._mesh is None or self._mesh.ndim != 1:
-            return 0  # HSDP: the other replicas hold every shard
-        every = self.config.copy_every
-        return DEFAULT_COPY_EVERY if every is None else every
-
     def copy_due(self, step: int, local_world: int) -> bool:
         """Whether the step boundary ``step`` takes a neighbour copy (the same on every
-        rank): copies are on, ``step`` is one of theirs and there is another node
-        (``local_world``: ranks per node)."""
-        every = self.copy_every()
+        rank): copies are on (not with HSDP: the other replicas hold every shard), ``step``
+        is one of theirs and there is another node (``local_world``: ranks per node)."""
+        if self._mesh is None or self._mesh.ndim != 1:
+            return False
+        every = DEFAULT_COPY_EVERY if self.config.copy_every is None else self.config.copy_every
         return every > 0 and step > 0 and step % every == 0 and self._mesh.size() > local_world
 
     @contextmanager
@@ -432,7 +427,7 @@ class ShardedModel:
                     self.module, self._mesh, self.optimizer, self._groups, self._params
                 )
                 held[step] = shards.make_pieces(sharded, unsharded, (index,), count, False)
-            except shards.NotKept as exc:
+            except ShardsNotKeptError as exc:
                 log.warning("this rank keeps no live shard for a recovery in place: %s", exc)
         self._own = {step: None} if held else {}
         copy, self._copy = self._copy, None

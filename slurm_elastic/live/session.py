@@ -164,8 +164,7 @@ class ElasticSession:
         vote_interval_s: float = 0.25,
     ) -> None:
         _check_options(commit_every, stall_abort_s)
-        # Now, before the script forks its DataLoader workers: they inherit the handler,
-        # so the notice Slurm sends to every process of the step cannot kill them.
+        # Now, before the script forks DataLoader workers: they inherit the handler.
         notice.ensure_preemption_handler()
         self._register_state(
             model, optimizer, scheduler, stateful, fsdp, commit_every, async_commit
@@ -547,8 +546,7 @@ class ElasticSession:
         """A boundary's commit and checkpoint, when their step has come (collective)."""
         if self.commit_every and self.step_count % self.commit_every == 0:
             self.world.commit(self.step_count, background=self.async_commit)
-        if self.sharded is not None:
-            self.world.copy_shards(self.step_count)  # when one is due
+        self.world.copy_shards(self.step_count)  # FSDP2's neighbour copy, when one is due
         epoch_done = self.save_each_epoch and self.sample_offset == 0 and self.step_count > 0
         if epoch_done or (self.save_every and self.step_count % self.save_every == 0):
             self.save(blocking=False)

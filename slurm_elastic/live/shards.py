@@ -43,11 +43,10 @@ from typing import Any
 import torch
 
 from slurm_elastic.checkpoint.exchange import TensorSpec
-from slurm_elastic.errors import ShardsLostError, StateExchangeError
+from slurm_elastic.errors import ShardsLostError, ShardsNotKeptError, StateExchangeError
 
 __all__ = [
     "KeptShards",
-    "NotKept",
     "Plan",
     "assemble",
     "check_full",
@@ -86,10 +85,6 @@ def is_sharded(value: Any, param_shape: tuple[int, ...]) -> bool:
     )
 
 
-class NotKept(Exception):
-    """This rank's module is not sharded as FSDP2 shards it: it keeps nothing."""
-
-
 def local_parts(
     module: Any, mesh: Any, optimizer: Any, groups: list[list[str]], params: Shapes
 ) -> tuple[int, int, dict[str, Any], dict[str, Any]]:
@@ -105,13 +100,13 @@ def local_parts(
         params: the model's parameters by FQN.
 
     Raises:
-        NotKept: a parameter or optimizer tensor is not sharded as FSDP2 shards it.
+        ShardsNotKeptError: a parameter or optimizer tensor is not sharded as FSDP2 shards it.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if module is None or mesh is None:
-        raise NotKept("the model is not sharded")
+        raise ShardsNotKeptError("the model is not sharded")
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
@@ -119,7 +114,7 @@ def local_parts(
 
     def local(where: str, value: Any) -> torch.Tensor:
         if not isinstance(value, DTensor) or tuple(value.placements) != placements:
-            raise NotKept(f"{where} is not a DTensor sharded as {placements}")
+            raise ShardsNotKeptError(f"{where} is not a DTensor sharded as {placements}")
         return value.to_local().detach().to("cpu", copy=True)
 
     live = module.state_dict()
@@ -128,7 +123,7 @@ def local_parts(
     for key, value in live.items():
         if key not in params:
             if isinstance(value, DTensor):
-                raise NotKept(f"buffer {key} is a DTensor")
+                raise ShardsNotKeptError(f"buffer {key} is a DTensor")
             buffers[key] = value.detach().to("cpu", copy=True)
     sharded: dict[str, dict[str, Any]] = {}
     unsharded: dict[str, dict[str, Any]] = {}

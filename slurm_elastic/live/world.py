@@ -469,11 +469,9 @@ class LiveWorld:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if self.sharding is None or not self.sharding.copy_due(step, local_world):
             return
-        started = time.monotonic()
         with self.sharding.without_state():
             rest = self.state.snapshot()
         self.sharding.take_copy(step, self.round, rest, local_world, self.device())
-        log.debug("neighbour copy of step %d in %.3f s", step, time.monotonic() - started)
 
     # -- changes ----------------------------------------------------------------------------
 
