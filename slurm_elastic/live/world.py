@@ -423,6 +423,8 @@ class LiveWorld:
         if self.sharding is not None:
             self._ddp = self.sharding.shard(self.device().type, self.world_size)
             self._record_links()  # the mesh's subgroups have pairs of their own
+            if self._guard is not None:  # and a collective may block on them
+                self._guard.arm(self.round, connected_sockets() - self._group_sockets)
             return
         self._ddp = DistributedDataParallel(self.state.model, **self.ddp_kwargs)
 
@@ -432,12 +434,8 @@ class LiveWorld:
             _links.connections = tcp_connections(connected_sockets() - self._group_sockets)
 
     def sync_state(self) -> bool:
-        """Collective: all ranks take the newest commit; False if nobody has one.
-
-        With a sharded model, the state lost ranks' shards held is rebuilt first from the
-        survivors' (:meth:`ShardedModel.recover`), and the ranks whose own state is of the
-        rebuilt step commit it: it is then the newest commit.
-        """
+        """Collective: all ranks take the newest commit; False if nobody has one. A sharded
+        state lost with ranks is rebuilt first (:meth:`ShardedModel.recover`) and committed."""
         if self.sharding is not None:
             rebuilt = self.sharding.recover()
             if rebuilt is not None and rebuilt[1] is not None:
