@@ -17,7 +17,15 @@ from slurm_elastic.submit import processes
 
 T = TypeVar("T")
 
-__all__ = ["Other", "process_tree", "read_jsonl", "second_user", "survives_signal", "wait_for"]
+__all__ = [
+    "Other",
+    "process_tree",
+    "read_jsonl",
+    "run_ranks",
+    "second_user",
+    "survives_signal",
+    "wait_for",
+]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
@@ -121,3 +129,40 @@ def survives_signal(pid: int, signum: int) -> bool | None:
         if key in ("SigCgt", "SigIgn"):
             masks[key] = int(value.strip(), 16)
     return any(mask & bit for mask in masks.values())
+
+
+def run_ranks(argvs: list[list[str]], out: Path, deadline_s: float) -> list[Any]:
+    """Run one process per rank (``argvs[r]``, the repository on ``PYTHONPATH``, one
+    thread each) until all exit or ``deadline_s`` passes, then read ``out/rank<r>.json``
+    of each; a missing result fails with every rank's output."""
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv in argvs
+    ]
+    end = time.monotonic() + deadline_s
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for rank in range(len(argvs)):
+        f = out / f"rank{rank}.json"
+        assert f.exists(), f"rank {rank} wrote no result; output:\n" + "\n".join(logs)
+        results.append(json.loads(f.read_text()))
+    return results

@@ -10,11 +10,7 @@ of the receiver's.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ import torch
 
 from slurm_elastic.checkpoint import container, exchange
 from slurm_elastic.errors import CheckpointCorruptError, StateExchangeError
+from tests import helpers
 
 WORKER = Path(__file__).with_name("exchange_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,34 +35,10 @@ def run_ranks(
     case: str, world: int, tmp_path: Path, deadline_s: float = 240
 ) -> list[dict[str, Any]]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), case, str(r), str(world), str(port), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
+    argvs = [
+        [str(WORKER), case, str(r), str(world), str(port), str(tmp_path)] for r in range(world)
     ]
-    end = time.monotonic() + deadline_s
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r in range(world):
-        f = tmp_path / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result; output:\n" + "\n".join(logs)
-        results.append(json.loads(f.read_text()))
-    return results
+    return helpers.run_ranks(argvs, tmp_path, deadline_s)
 
 
 def test_values_cross_ranks_intact(tmp_path: Path) -> None:

@@ -131,7 +131,17 @@ def test_fsdp_graceful_leave_reshards_in_place(
     _assert_close_to_reference(tmp_path)
 
 
-def _kill_b_of_4(tmp: Path, a: LiveRun, b: LiveRun) -> tuple[set[int], int]:
+def _hard_loss(
+    tmp: Path, nodes: list[LiveRun], run_id: str, hsdp: str, copy_every: str
+) -> tuple[LiveRun, set[int], list[dict], int]:
+    """Nodes a and b (2 workers each) train at world 4; b is SIGKILLed (agent and
+    workers); a finishes alone. Checks what every hard loss must give (world 2 after the
+    loss, each sample once per epoch, the parameters of the one-process run); returns a,
+    its workers' PIDs before the loss, the ledger's records after it and the redone steps."""
+    restarts = ("--max-restarts", "2")
+    a = _node(tmp, run_id, "a", hsdp, restarts, ("--copy-every", copy_every))
+    b = _node(tmp, run_id, "b", hsdp, restarts, ("--copy-every", copy_every))
+    nodes += [a, b]
     _world_of_4(tmp)
     a_pids = a.worker_pids()
     killed_at = steps_done(tmp)
@@ -141,7 +151,13 @@ def _kill_b_of_4(tmp: Path, a: LiveRun, b: LiveRun) -> tuple[set[int], int]:
         "training on after the loss",
         lambda rs: any(r["world"] == 2 and r["step"] > killed_at + 1 for r in rs),
     )
-    return a_pids, killed_at
+    assert a.wait(240) == ExitCode.FINISHED, a.log()
+    records = ledger(tmp)
+    after = [r for r in records if r["step"] > killed_at + 1]
+    assert after and {r["world"] for r in after} == {2}
+    assert_each_sample_once(records, STEPS)
+    _assert_close_to_reference(tmp)
+    return a, a_pids, after, redone_steps(records)
 
 
 def test_hsdp_hard_loss_rebuilds_the_lost_replica_in_place(
@@ -151,20 +167,10 @@ def test_hsdp_hard_loss_rebuilds_the_lost_replica_in_place(
     node b is SIGKILLed, node a's workers rebuild the state from their own shards
     (live/shards.py) and train on at world 2 in the same processes; at most the step in
     flight is redone, no checkpoint is read."""
-    restarts = ("--max-restarts", "2")
-    a = _node(tmp_path, "hsdp-hard", "a", "2", restarts)
-    b = _node(tmp_path, "hsdp-hard", "b", "2", restarts)
-    nodes += [a, b]
-    a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
-    assert a.wait(240) == ExitCode.FINISHED, a.log()
-    records = ledger(tmp_path)
-    after = [r for r in records if r["step"] > killed_at + 1]
-    assert after and {r["world"] for r in after} == {2}
+    a, a_pids, after, redone = _hard_loss(tmp_path, nodes, "hsdp-hard", "2", "0")
     assert {r["pid"] for r in after} == a_pids, "the survivors' workers were restarted"
     assert "ShardsLostError" not in a.log()
-    assert redone_steps(records) <= 1
-    assert_each_sample_once(records, STEPS)
-    _assert_close_to_reference(tmp_path)
+    assert redone <= 1
 
 
 def test_fsdp_hard_loss_rebuilds_from_the_neighbours_copies_in_place(
@@ -175,20 +181,10 @@ def test_fsdp_hard_loss_rebuilds_from_the_neighbours_copies_in_place(
     step. Node b is SIGKILLed: node a's workers rebuild the newest copied step from their
     own copies and b's and train on at world 2 in the same processes, redoing at most 4
     steps plus the one in flight."""
-    restarts = ("--max-restarts", "2")
-    a = _node(tmp_path, "fsdp-hard", "a", "1", restarts, ("--copy-every", "4"))
-    b = _node(tmp_path, "fsdp-hard", "b", "1", restarts, ("--copy-every", "4"))
-    nodes += [a, b]
-    a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
-    assert a.wait(240) == ExitCode.FINISHED, a.log()
-    records = ledger(tmp_path)
-    after = [r for r in records if r["step"] > killed_at + 1]
-    assert after and {r["world"] for r in after} == {2}
+    a, a_pids, after, redone = _hard_loss(tmp_path, nodes, "fsdp-hard", "1", "4")
     assert {r["pid"] for r in after} == a_pids, "the survivors' workers were restarted"
     assert "ShardsLostError" not in a.log()
-    assert redone_steps(records) <= 4 + 1
-    assert_each_sample_once(records, STEPS)
-    _assert_close_to_reference(tmp_path)
+    assert redone <= 4 + 1
 
 
 def test_fsdp_hard_loss_without_copies_restarts_from_checkpoint(
@@ -198,21 +194,11 @@ def test_fsdp_hard_loss_without_copies_restarts_from_checkpoint(
     gone with it, the survivors' workers stop with ShardsLostError, the agent restarts
     them and they resume from the newest checkpoint (at most ``--save-every`` steps
     redone)."""
-    restarts = ("--max-restarts", "2")
-    a = _node(tmp_path, "fsdp-hard0", "a", "1", restarts, ("--copy-every", "0"))
-    b = _node(tmp_path, "fsdp-hard0", "b", "1", restarts, ("--copy-every", "0"))
-    nodes += [a, b]
-    a_pids, killed_at = _kill_b_of_4(tmp_path, a, b)
-    assert a.wait(240) == ExitCode.FINISHED, a.log()
-    records = ledger(tmp_path)
-    after = [r for r in records if r["step"] > killed_at + 1]
-    assert after and {r["world"] for r in after} == {2}
+    a, a_pids, after, redone = _hard_loss(tmp_path, nodes, "fsdp-hard0", "1", "0")
     if {r["pid"] for r in after} != a_pids:  # restarted (else: lost right after a
         # checkpoint's gather, before the next optimizer step: recovered in place)
         assert not {r["pid"] for r in after} & a_pids and "ShardsLostError" in a.log()
-    assert redone_steps(records) <= SAVE_EVERY + 1
-    assert_each_sample_once(records, STEPS)
-    _assert_close_to_reference(tmp_path)
+    assert redone <= SAVE_EVERY + 1
 
 
 @pytest.mark.parametrize("hsdp", HSDP)

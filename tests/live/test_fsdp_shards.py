@@ -9,11 +9,6 @@ The agents and the session around it are in test_fsdp.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +19,7 @@ from slurm_elastic.checkpoint.exchange import TensorSpec
 from slurm_elastic.errors import ShardsLostError, StateExchangeError
 from slurm_elastic.live import shards
 from tests.checkpoint.test_exchange import free_port
+from tests.helpers import run_ranks
 
 WORKER = Path(__file__).with_name("shards_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,34 +185,8 @@ def _run(case: str, tmp: Path, deadline_s: float = 180) -> list[dict[str, Any]]:
     port = new_port = free_port()
     while new_port == port:  # the new group's store must not meet the old one's
         new_port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), case, str(r), str(port), str(new_port), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(4)
-    ]
-    end = time.monotonic() + deadline_s
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r in range(4):
-        f = tmp / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result:\n" + "\n".join(logs)
-        results.append(json.loads(f.read_text()))
-    return results
+    argvs = [[str(WORKER), case, str(r), str(port), str(new_port), str(tmp)] for r in range(4)]
+    return run_ranks(argvs, tmp, deadline_s)
 
 
 def test_a_lost_hsdp_replica_is_rebuilt_from_the_other_bitwise(tmp_path: Path) -> None:
