@@ -45,6 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fsdp", action="store_true", help="FSDP2: each Linear, then the root, fully_shard-ed"
     )
+    p.add_argument(
+        "--copy-every", type=int, default=None,
+        help="FSDP2: neighbour copies every K steps, each rank standing in for one node "
+        "(LOCAL_WORLD_SIZE=1 in the worker: its neighbour is the other rank)",
+    )  # fmt: skip
+    p.add_argument(
+        "--copy-wait", action="store_true",
+        help="with --copy-every: wait for each copy at its boundary (as a synchronous copy)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -57,7 +66,13 @@ def fsdp_config(args: argparse.Namespace) -> Any:
         return None
     from slurm_elastic.live import FSDPConfig
 
-    return FSDPConfig(build=lambda: build(args)[0], shard_modules=lambda m: [m[i] for i in LINEARS])
+    if args.copy_every is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # read when the session shards the model
+    return FSDPConfig(
+        build=lambda: build(args)[0],
+        shard_modules=lambda m: [m[i] for i in LINEARS],
+        copy_every=args.copy_every,
+    )
 
 
 def shard_plain(model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, Any]:
@@ -206,9 +221,14 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
             t0 = time.perf_counter()
             with session.step() as s:
                 train_step(session.model, opt, x[s.indices], y[s.indices], s.loss_scale)
+            if args.copy_wait and session.sharded is not None:
+                session.sharded.wait_copy()
             session_marks.append((block, t0, time.perf_counter()))
             if session.interrupted or session.reached(steps=args.steps):
                 break
+    if session.sharded is not None:
+        session.sharded.wait_copy()
+        out["copy_step"] = session.sharded.copy_step
     session.finish()
     del ddp
     session.close()

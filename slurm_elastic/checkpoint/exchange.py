@@ -43,6 +43,8 @@ __all__ = [
     "all_gather",
     "broadcast",
     "broadcast_int",
+    "decode",
+    "encode",
     "pack",
     "unpack",
 ]
@@ -104,6 +106,36 @@ def _materialize(tree: Any, records: list[Any], data: torch.Tensor) -> Any:
             raw = data[r.offset : r.offset + r.nbytes]
             tensors.append(raw.view(r.dtype).view(r.shape))
     return decode_tree(tree, tensors)
+
+
+def encode(value: Any) -> tuple[bytes, torch.Tensor]:
+    """``(header, data)``: ``value`` as a JSON header and one CPU uint8 tensor holding
+    every tensor's bytes back to back (no pickle; one copy of the tensors), for a sender
+    that moves the two itself; :func:`decode` reverses it.
+
+    Raises:
+        StateExchangeError: ``value`` holds something this encoding does not carry.
+    """
+    return _encode(value)
+
+
+def decode(header: bytes, data: torch.Tensor, *, check: Callable[[Any], None] | None = None) -> Any:
+    """What :func:`encode` encoded; the tensors are views of ``data`` (a uint8 tensor).
+    ``check`` sees the structure (:class:`TensorSpec` in place of each tensor) first.
+
+    Raises:
+        StateExchangeError: malformed (records out of ``data``, overlapping, ...).
+        Exception: whatever ``check`` raises.
+    """
+    if len(header) > _MAX_HEADER:
+        raise StateExchangeError(f"received a header of {len(header)} bytes")
+    try:
+        tree, records = _parse_header(header, data.numel())
+    except CheckpointCorruptError as exc:
+        raise StateExchangeError(f"received a malformed value: {exc}") from exc
+    if check is not None:
+        check(_specs(tree, records))
+    return _materialize(tree, records, data)
 
 
 def pack(value: Any) -> bytes:

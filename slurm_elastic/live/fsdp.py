@@ -22,15 +22,13 @@ ranks). :class:`ShardedModel` is the piece the session and
   the new mesh, the full state loaded (each rank keeps its slice), the *same* optimizer
   object re-pointed at the new parameters (a scheduler built on it stays valid).
 
-Limits (stated in ``docs/live.md``): the full state is materialized in host memory on
-every rank at a switch and at each checkpoint (fine for models that fit one host);
-checkpoints hold the full state (rank 0 writes them; a load reshards to any world);
-a peer lost without notice is recovered in place when the survivors hold every shard
-(:meth:`ShardedModel.keep_shards` at the failure, :meth:`ShardedModel.recover` in the
-new world, :mod:`~slurm_elastic.live.shards`: an HSDP replica survived, or a gathered
-state newer than the last optimizer step exists); otherwise :class:`ShardsLostError` is
-raised and the worker exits for the restart path (newest checkpoint). Hooks registered on the user's module
-do not move to the rebuilt one; use :attr:`ElasticSession.model` at every step.
+Limits (``docs/live.md``): the full state is materialized in host memory on every rank
+at a switch and at each checkpoint (rank 0 writes it; a load reshards to any world). A
+peer lost without notice is recovered in place when the survivors hold every shard of
+one step (:meth:`ShardedModel.keep_shards`, :meth:`ShardedModel.recover`,
+:mod:`~slurm_elastic.live.shards`; neighbour copies: :mod:`~slurm_elastic.live.copies`),
+else :class:`ShardsLostError` sends the worker to the restart path. Hooks on the user's
+module do not move to the rebuilt one; use :attr:`ElasticSession.model` at every step.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from torch import nn
 
 from slurm_elastic.checkpoint import exchange
 from slurm_elastic.errors import ShardsLostError, ShardsNotKeptError, StateExchangeError
-from slurm_elastic.live import shards
+from slurm_elastic.live import copies, shards
 from slurm_elastic.live.shards import KeptShards
 
 __all__ = [
@@ -78,8 +76,8 @@ class FSDPConfig:
             ``gcd(replicate, W)`` replicas of ``W / gcd`` ranks each.
         reshard_after_forward: passed to ``fully_shard``.
         copy_every: with one replica (plain FSDP2), every this many steps each rank
-            copies its shards to host memory and swaps them with its neighbours (the
-            same local rank of the next and the previous node), so that a node lost
+            copies its shards to host memory and swaps them with its neighbours in the
+            background (the same local rank of the next and the previous node), so that a node lost
             without notice is rebuilt in place redoing at most this many steps; costs
             two shards of host memory per rank and one shard sent per copy.
             ``None``: 50; ``0``: never (a hard loss restarts from the checkpoint).
@@ -142,18 +140,6 @@ DEFAULT_COPY_EVERY = 50
 """Steps between neighbour copies with plain FSDP2 (:attr:`FSDPConfig.copy_every`)."""
 
 
-@dataclass(frozen=True)
-class _Copy:
-    """A neighbour copy: this rank's and its neighbour's pieces of one step, and the
-    session's other state of that step (progress, scheduler, other stateful objects)."""
-
-    step: int
-    round: int
-    shards: int
-    pieces: dict[int, dict[str, Any]]
-    rest: dict[str, Any]
-
-
 class ShardedModel:
     """The model under FSDP2/HSDP, its optimizer, and their full state across worlds.
 
@@ -201,7 +187,7 @@ class ShardedModel:
         # pieces, and by step its own state of that step (None: the live one)
         self._kept: KeptShards | None = None
         self._own: dict[int, dict[str, Any] | None] = {}
-        self._copy: _Copy | None = None  # the newest neighbour copy on this mesh
+        self._copies: copies.NeighbourCopies | None = None  # of the current mesh
         self._placeholder = False
         if optimizer is not None:
             optimizer.register_step_post_hook(self._on_step)
@@ -241,7 +227,6 @@ class ShardedModel:
             fully_shard(sub, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward)
         self.module, self._mesh, self._sharded = module, mesh, True
-        self._copy = None  # of another mesh
         params = dict(module.named_parameters())
         if self.optimizer is not None:
             for group, names in zip(self.optimizer.param_groups, self._groups, strict=True):
@@ -332,6 +317,10 @@ class ShardedModel:
                 held = list(self._mesh.get_all_groups())
             except Exception:  # a mesh over a broken world: nothing more to hold
                 held = []
+        if self._copies is not None:  # a copy in flight is abandoned; its group is held
+            self._copies.close()
+            held.append(self._copies.group)
+            self._copies = None
         self.module = None
         self._mesh = None
         if self.optimizer is not None:
@@ -342,14 +331,39 @@ class ShardedModel:
 
     # -- a hard loss: the state rebuilt from the survivors' shards (live/shards.py) -------
 
-    def copy_due(self, step: int, local_world: int) -> bool:
-        """Whether the step boundary ``step`` takes a neighbour copy (the same on every
-        rank): copies are on (not with HSDP: the other replicas hold every shard), ``step``
-        is one of theirs and there is another node (``local_world``: ranks per node)."""
-        if self._mesh is None or self._mesh.ndim != 1:
-            return False
+    def open_copies(self, backend: str, local_world: int, device: Any) -> None:
+        """Collective over the current world, after :meth:`shard`: the neighbour copies'
+        group, when this mesh takes copies (they are on, the mesh is 1-D: with HSDP the
+        other replicas hold every shard, and there is another node; ``local_world``:
+        ranks per node)."""
+        import torch.distributed as dist
+
         every = DEFAULT_COPY_EVERY if self.config.copy_every is None else self.config.copy_every
-        return every > 0 and step > 0 and step % every == 0 and self._mesh.size() > local_world
+        world = self._mesh.size() if self._mesh is not None else 0
+        if every > 0 and self._mesh.ndim == 1 and world > local_world:
+            me = dist.get_rank()
+            dest, src = (me + local_world) % world, (me - local_world) % world
+            self._copies = copies.NeighbourCopies(backend, dest, src, self._piece_limit(), device)
+
+    def copy_due(self, step: int) -> bool:
+        """Whether the step boundary ``step`` takes a neighbour copy (the same on every
+        rank); a finished copy is adopted here (its failure raised)."""
+        if self._copies is None:
+            return False
+        self._copies.poll()
+        every = DEFAULT_COPY_EVERY if self.config.copy_every is None else self.config.copy_every
+        return step > 0 and step % every == 0
+
+    @property
+    def copy_step(self) -> int | None:
+        """The step of the newest finished neighbour copy on this mesh (``None``: none)."""
+        newest = self._copies.newest if self._copies is not None else None
+        return newest.step if newest is not None else None
+
+    def wait_copy(self) -> None:
+        """Wait for the neighbour copy in flight and adopt it (its failure raised)."""
+        if self._copies is not None:
+            self._copies.poll(wait=True)
 
     @contextmanager
     def without_state(self) -> Iterator[None]:
@@ -361,34 +375,23 @@ class ShardedModel:
         finally:
             self._placeholder = False
 
-    def take_copy(
-        self, step: int, round_: int, rest: dict[str, Any], local_world: int, device: Any
-    ) -> None:
-        """Collective (pairs of ranks) at the step boundary ``step``: copy this rank's
-        shards to host memory and swap them with the neighbours (this rank's go to the
-        same local rank of the next node, the previous node's come here, checked against
-        this model before they are kept). ``rest``: the session's other state at
-        ``step``, kept beside them."""
-        import torch.distributed as dist
-
+    def take_copy(self, step: int, round_: int, rest: dict[str, Any]) -> None:
+        """At the step boundary ``step`` (due on every rank): copy this rank's shards to
+        host memory and start swapping them with the neighbours in the background
+        (:mod:`~slurm_elastic.live.copies`; the previous copy is waited for first).
+        ``rest``: the session's other state at ``step``, kept beside them."""
+        if self._copies is None:
+            raise RuntimeError("take_copy() on a mesh without neighbour copies")
         index, count, sharded, unsharded = shards.local_parts(
             self.module, self._mesh, self.optimizer, self._groups, self._params
         )
+        peer = self._copies.src % count  # a 1-D mesh: the rank is its shard index
+
+        def check(spec: Any) -> None:
+            shards.check_piece(spec, peer, count, self._template, self._params, self._groups)
+
         pieces = shards.make_pieces(sharded, unsharded, (index,), count, whole=False)
-        world, me = dist.get_world_size(), dist.get_rank()
-        dest, src = (me + local_world) % world, (me - local_world) % world
-        if dest != me:
-            peer_index = src % count  # a 1-D mesh: the rank is its shard index
-            received = shards.swap(
-                exchange.pack(pieces[index]), dest, src, self._piece_limit(), device
-            )
-            peer = exchange.unpack(received, limit=self._piece_limit())
-            shards.check_piece(
-                shards.spec_of(peer), peer_index, count, self._template, self._params,
-                self._groups,
-            )  # fmt: skip
-            pieces[peer_index] = peer
-        self._copy = _Copy(step, round_, count, pieces, rest)
+        self._copies.start(copies.Copy(step, round_, count, pieces, rest), index, peer, check)
 
     def _piece_limit(self) -> int:
         """Bytes a piece may have: the model's state, its optimizer's and room to spare."""
@@ -430,7 +433,7 @@ class ShardedModel:
             except ShardsNotKeptError as exc:
                 log.warning("this rank keeps no live shard for a recovery in place: %s", exc)
         self._own = {step: None} if held else {}
-        copy, self._copy = self._copy, None
+        copy = self._copies.take_newest() if self._copies is not None else None
         if copy is not None and copy.round == round_ and copy.shards == count:
             for index, piece in copy.pieces.items():
                 held.setdefault(copy.step, {}).setdefault(index, piece)

@@ -57,7 +57,6 @@ __all__ = [
     "make_pieces",
     "plan",
     "spec_of",
-    "swap",
 ]
 
 Shapes = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -165,35 +164,6 @@ def full_parts(full: Mapping[str, Any], params: Shapes) -> tuple[dict[str, Any],
             "groups": opt["param_groups"],
         },
     )
-
-
-_SIZE_TAG, _DATA_TAG = 7301, 7302
-
-
-def _pair(*works: Any) -> None:
-    for work in works:
-        if work is not None:  # None: this rank is not in the group (never here)
-            work.wait()
-
-
-def swap(blob: bytes, dest: int, src: int, limit: int, device: Any) -> torch.Tensor:
-    """Collective between pairs: send ``blob`` to rank ``dest`` and receive rank
-    ``src``'s (its size announced first and refused over ``limit`` bytes before anything
-    is allocated); every rank sends and receives once, so a ring completes."""
-    import torch.distributed as dist
-
-    mine = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    theirs = torch.zeros(1, dtype=torch.int64, device=device)
-    _pair(dist.isend(mine, dest, tag=_SIZE_TAG), dist.irecv(theirs, src, tag=_SIZE_TAG))
-    size = int(theirs.item())
-    if not 0 <= size <= limit:
-        raise StateExchangeError(
-            f"rank {src} announced a shard copy of {size} bytes; at most {limit} allowed"
-        )
-    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-    received = torch.empty(size, dtype=torch.uint8, device=device)
-    _pair(dist.isend(data, dest, tag=_DATA_TAG), dist.irecv(received, src, tag=_DATA_TAG))
-    return received.cpu()
 
 
 def make_pieces(

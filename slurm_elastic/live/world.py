@@ -422,6 +422,8 @@ class LiveWorld:
         shard it on a new mesh (FSDP2/HSDP: :mod:`~slurm_elastic.live.fsdp`)."""
         if self.sharding is not None:
             self._ddp = self.sharding.shard(self.device().type, self.world_size)
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            self.sharding.open_copies(self.backend, local_world, self.device())
             self._record_links()  # the mesh's subgroups have pairs of their own
             if self._guard is not None:  # and a collective may block on them
                 self._guard.arm(self.round, connected_sockets() - self._group_sockets)
@@ -461,15 +463,14 @@ class LiveWorld:
         return True
 
     def copy_shards(self, step: int) -> None:
-        """Collective (pairs), when due at the step boundary ``step``: a neighbour copy of
-        the sharded state with the rest of the state of that step
-        (:meth:`ShardedModel.take_copy`)."""
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.sharding is None or not self.sharding.copy_due(step, local_world):
+        """At the step boundary ``step``: adopt a finished neighbour copy of the sharded
+        state; start the next when one is due, with the rest of the state of that step
+        (:meth:`ShardedModel.take_copy`; collective between pairs, in the background)."""
+        if self.sharding is None or not self.sharding.copy_due(step):
             return
         with self.sharding.without_state():
             rest = self.state.snapshot()
-        self.sharding.take_copy(step, self.round, rest, local_world, self.device())
+        self.sharding.take_copy(step, self.round, rest)
 
     # -- changes ----------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,14 @@ from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel
 WORLD = 4
 STEPS = 3
 # case: (replicate, the old ranks that die, the old rank that forgets what it kept and
-# joins the new world as a newcomer would (or None), the step of a neighbour copy (or 0))
-CASES: dict[str, tuple[int, tuple[int, ...], int | None, int]] = {
-    "hsdp_replica_lost": (2, (2, 3), None, 0),
-    "hsdp_one_rank_lost_and_a_newcomer": (2, (3,), 2, 0),
-    "fsdp_shards_lost": (1, (2, 3), None, 0),
-    "fsdp_neighbour_copy": (1, (2, 3), None, 2),
+# joins the new world as a newcomer would (or None), the steps of neighbour copies)
+CASES: dict[str, tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = {
+    "hsdp_replica_lost": (2, (2, 3), None, ()),
+    "hsdp_one_rank_lost_and_a_newcomer": (2, (3,), 2, ()),
+    "fsdp_shards_lost": (1, (2, 3), None, ()),
+    "fsdp_neighbour_copy": (1, (2, 3), None, (2,)),
+    # the lost ranks freeze before the copy of step 3: it stays in flight on 0 and 1
+    "fsdp_copy_in_flight": (1, (2, 3), None, (1, 3)),
 }
 LOCAL_WORLD = 2  # two "nodes" of 2 ranks: a rank's neighbour is rank + 2
 
@@ -60,10 +64,24 @@ def rebuilt_state(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     return out
 
 
+def wait_for(paths: list[Path], deadline_s: float = 120.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {deadline_s} s for {paths}")
+        time.sleep(0.02)
+
+
+def copy_threads() -> int:
+    return sum(t.name == "slurm-elastic-shard-copy" for t in threading.enumerate())
+
+
 def main() -> None:
     case, rank, port, new_port, out_dir = sys.argv[1:]
     rank_i = int(rank)
-    replicate, lost, newcomer, copy_at = CASES[case]
+    replicate, lost, newcomer, copy_steps = CASES[case]
+    tmp = Path(out_dir)
+    survivors = [r for r in range(WORLD) if r not in lost]
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank_i, world_size=WORLD
     )
@@ -72,30 +90,46 @@ def main() -> None:
     config = FSDPConfig(build=build, shard_modules=lambda m: [m[0], m[2]], replicate=replicate)
     sharded = ShardedModel(config, net, opt)
     module = sharded.shard("cpu", WORLD)
+    sharded.open_copies("gloo", LOCAL_WORLD, torch.device("cpu"))
     reference: dict[str, torch.Tensor] = {}
     for step in range(1, STEPS + 1):
         torch.manual_seed(100 + 10 * step + rank_i)
         module(torch.randn(4, 5)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        if step == copy_at:  # what the session does at that step boundary
-            rest = {"progress": {"step": step}, "stateful": {}}
-            sharded.take_copy(step, 0, rest, LOCAL_WORLD, torch.device("cpu"))
+        if step not in copy_steps:
+            continue
+        in_flight = case == "fsdp_copy_in_flight" and step == copy_steps[-1]
+        if rank_i in lost and in_flight:
+            continue  # frozen: these ranks never answer the copy of this step
+        if rank_i in lost:  # the survivors' boundary returned before these even started
+            wait_for([tmp / f"started{step}.{r}" for r in survivors])
+        rest = {"progress": {"step": step}, "stateful": {}}
+        sharded.take_copy(step, 0, rest)  # what the session does at that step boundary
+        (tmp / f"started{step}.{rank_i}").touch()
+        if not in_flight:
             reference = full_state(module, opt)
-    if not copy_at:
+            sharded.wait_copy()  # done before the loss (a copy in flight is not used)
+    if not copy_steps:
         reference = full_state(module, opt)
     dist.barrier()
     result: dict[str, Any] = {"rank": rank_i}
     out = Path(out_dir) / f"rank{rank_i}.json"
     if rank_i in lost:
         out.write_text(json.dumps({**result, "lost": True}))
+        if case == "fsdp_copy_in_flight":  # frozen: the connections stay open meanwhile
+            wait_for([tmp / f"released.{r}" for r in survivors])
         os._exit(0)  # no teardown: the survivors see a dead peer
+    result["copy_threads_before"] = copy_threads()
     sharded.keep_shards(STEPS, 0, WORLD)  # what LiveWorld.recover does at the failure
+    started = time.monotonic()
     sharded.release()
+    result["release_s"] = time.monotonic() - started
+    result["copy_threads_after"] = copy_threads()
+    (tmp / f"released.{rank_i}").touch()
     dist.destroy_process_group()
     if rank_i == newcomer:
         sharded.forget_kept()
-    survivors = [r for r in range(WORLD) if r not in lost]
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{new_port}",

@@ -9,6 +9,7 @@ The agents and the session around it are in test_fsdp.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,9 @@ def test_lost_fsdp_shards_raise_on_every_survivor(tmp_path: Path) -> None:
 
 def test_lost_fsdp_shards_come_back_from_the_neighbours_copies(tmp_path: Path) -> None:
     """Plain FSDP2 over two "nodes" of 2 ranks, a neighbour copy at step 2 (each rank's
-    shards went to rank + 2 and came from rank - 2); ranks 2 and 3 die after step 3:
+    shards went to rank + 2 and came from rank - 2), taken in the background: ranks 2
+    and 3 start their side only after ranks 0 and 1 returned from the boundary (a copy
+    that waited for its neighbour would never return). Ranks 2 and 3 die after step 3:
     ranks 0 and 1 rebuild step 2 bitwise from their own copies and their neighbours',
     with the session's other state of step 2 kept beside them."""
     results = _run("fsdp_neighbour_copy", tmp_path)
@@ -228,3 +231,46 @@ def test_lost_fsdp_shards_come_back_from_the_neighbours_copies(tmp_path: Path) -
         assert r["recovered"] == [2, "copy"], r
         assert r["keys_equal"] and not r["unequal"] and r["trained_on"], r
         assert r["rest_progress"] == {"step": 2} and r["rest_has_model"], r
+
+
+def test_a_neighbour_copy_in_flight_at_the_loss_is_abandoned_for_the_previous(
+    tmp_path: Path,
+) -> None:
+    """Copies at steps 1 and 3; ranks 2 and 3 freeze (alive, connections open) before
+    answering the copy of step 3, so it is still in flight on ranks 0 and 1 when they
+    give up on them: letting the mesh go ends its thread at once (its group's
+    connections are shut down) and the survivors rebuild step 1 from the previous copy."""
+    results = _run("fsdp_copy_in_flight", tmp_path)
+    for r in results[:2]:
+        assert r["copy_threads_before"] == 1, r  # the copy of step 3 was in flight
+        assert r["copy_threads_after"] == 0 and r["release_s"] < 5.0, r
+        assert r["recovered"] == [1, "copy"], r
+        assert r["keys_equal"] and not r["unequal"] and r["trained_on"], r
+        assert r["rest_progress"] == {"step": 1} and r["rest_has_model"], r
+
+
+COPIES_WORKER = Path(__file__).with_name("copies_worker.py")
+
+
+def _swap(case: str, tmp: Path) -> list[dict[str, Any]]:
+    port = free_port()
+    return run_ranks([[str(COPIES_WORKER), case, str(r), str(port), str(tmp)] for r in (0, 1)],
+                     tmp, 60)  # fmt: skip
+
+
+def test_a_swap_moves_tensors_and_plain_values_checked_before_decoding(tmp_path: Path) -> None:
+    r0, r1 = _swap("ok", tmp_path)
+    assert r0["got"] == {"w": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], "step": 1, "name": "rank1"}
+    assert r1["got"]["name"] == "rank0" and r1["got"]["w"][0] == [0.0, 1.0, 2.0]
+    assert "TensorSpec" in r0["spec"] and "(2, 3)" in r0["spec"]  # the check saw no tensor
+
+
+@pytest.mark.parametrize(("case", "refuser", "words"), [
+    ("over_limit", 0, "rank 1 announced a shard copy of .* bytes; at most 100 allowed"),
+    ("other_step", 0, "rank 1 sent the copy of step 4, not 5"),
+])  # fmt: skip
+def test_a_swap_refuses_an_oversized_or_stale_copy_before_allocating(
+    tmp_path: Path, case: str, refuser: int, words: str
+) -> None:
+    results = _swap(case, tmp_path)
+    assert re.search(words, results[refuser].get("refused", "")), results
