@@ -74,6 +74,7 @@ PY = sys.executable
 TARGET = 1.03
 MOONSHOT = 1.01
 MODES = ("plain", "session", "loop")
+COPY_EVERY = 10  # neighbour copies in the copies case: 5x as often as the default
 
 
 def run_once(
@@ -161,6 +162,46 @@ def ab_case(res: dict[str, Any], warmup_blocks: int, common: dict[str, Any]) -> 
         if len(pairs) >= 2 else None,
     )  # fmt: skip
     return row
+
+
+def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
+    """FSDP2's neighbour copies: the ab run with a copy every ``COPY_EVERY`` steps taken
+    in the background (ours), against the same run waiting for each copy at its boundary
+    (as a synchronous copy would); each against the plain FSDP2 blocks of its launch, by
+    the ratio of the mean times per step (a periodic cost counts in full)."""
+    steps = args.ab_steps or (80 if args.quick else 200)
+    warmup_blocks = max(1, (args.warmup if args.warmup is not None else 10) // args.block)
+    rows = []
+    for case, extra in (("background", ()), ("waited", ("--copy-wait",))):
+        res = run_once("ab", d, steps, args.global_batch, args.limit,
+                       ("--block", str(args.block), "--fsdp", "--copy-every", str(COPY_EVERY),
+                        *extra))  # fmt: skip
+        row: dict[str, Any] = {
+            "bench": "overhead", "case": f"fsdp_copies_{case}_vs_plain_same_processes",
+            "ours": None, "baseline": None, "ratio": None, "unit": "ms/step",
+            "target": f"<= {TARGET} (copy every {COPY_EVERY} steps)" if case == "background"
+            else "reported", "ok": False, "copy_every": COPY_EVERY, "steps": steps,
+            "load_avg": round(os.getloadavg()[0], 2),
+        }  # fmt: skip
+        if "error" in res:
+            print(f"# copies {case}: {res['error']}\n{res['log_tail']}", file=sys.stderr)
+            rows.append({**row, "errors": [res["error"]]})
+            continue
+        rec = res["records"][0]
+        times = {m: [tx - t0 for b, t0, tx in rec[m] if b >= warmup_blocks]
+                 for m in ("plain", "session")}  # fmt: skip
+        ours, base = statistics.mean(times["session"]), statistics.mean(times["plain"])
+        ratio = ours / base
+        row.update(
+            ours=round(ours * 1e3, 2), baseline=round(base * 1e3, 2), ratio=round(ratio, 4),
+            ok=case != "background" or ratio <= TARGET, copy_step=rec.get("copy_step"),
+            session_median_ms=round(statistics.median(times["session"]) * 1e3, 2),
+            plain_median_ms=round(statistics.median(times["plain"]) * 1e3, 2),
+        )  # fmt: skip
+        if not rec.get("copy_step"):
+            row.update(ok=False, errors=["no neighbour copy was taken"])
+        rows.append(row)
+    return rows
 
 
 def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
@@ -253,16 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-steps", type=int, default=None, help="session steps of the ab run")
     ap.add_argument("--block", type=int, default=5, help="steps per block of the ab run")
     ap.add_argument("--limit", type=float, default=180.0, help="seconds per launch")
-    ap.add_argument("--models", default="ddp,fsdp", help="ddp,fsdp (FSDP2: --fsdp launches)")
+    ap.add_argument("--models", default="ddp,fsdp,copies",
+                    help="ddp,fsdp,copies (FSDP2: --fsdp launches; copies: FSDP2's neighbour "
+                    "copies, each rank standing in for a node)")  # fmt: skip
     args = ap.parse_args(argv)
     kinds = [k for k in args.models.split(",") if k]
-    unknown = sorted(set(kinds) - {"ddp", "fsdp"})
+    unknown = sorted(set(kinds) - {"ddp", "fsdp", "copies"})
     if unknown or not kinds:
-        ap.error(f"--models={args.models!r}: use ddp, fsdp or ddp,fsdp")
+        ap.error(f"--models={args.models!r}: use some of ddp,fsdp,copies")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead-") as d:
         for kind in kinds:
-            rows += measure(kind, args, Path(d))
+            rows += copies_case(args, Path(d)) if kind == "copies" else measure(kind, args, Path(d))
     for row in rows:
         print(json.dumps(row), flush=True)
     print(f"\n{'case':34} {'ours':>9} {'baseline':>9} {'ratio':>7} {'unit':8} target / ok")

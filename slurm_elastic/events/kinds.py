@@ -404,6 +404,18 @@ class LiveCollectiveAborted(Event):
 
 @_register
 @dataclass(frozen=True, kw_only=True)
+class LiveWorkerStuck(Event):
+    """A worker's aborted collective did not end within ``stuck_s``: the worker exits so
+    that its agent restarts the node's workers (they rejoin from their peers' state)."""
+
+    kind: ClassVar[str] = "live.worker_stuck"
+    round: int = 0
+    new_round: int = 0
+    stuck_s: float = 0.0
+
+
+@_register
+@dataclass(frozen=True, kw_only=True)
 class LiveLeft(Event):
     """A worker left the loop (``after``: why it stopped)."""
 

@@ -156,7 +156,10 @@ class StallGuard:
         min_stall_s: never abort a step that has run for less than this.
         stall_factor: nor one shorter than this many times the longest recent step.
         poll_s: how often the thread looks.
+        stuck_s: after an abort, how long the main thread may stay in the collective
+            before the worker exits (see :meth:`check`).
         clock: the monotonic clock.
+        exit: ends the process (``os._exit``; a test's seam).
 
     The main thread calls :meth:`arm` when a group is formed, :meth:`beat` at every
     step boundary, and :meth:`disarm` before the group is torn down.
@@ -173,12 +176,15 @@ class StallGuard:
         min_stall_s: float = 1.0,
         stall_factor: float = 3.0,
         poll_s: float = 0.05,
+        stuck_s: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
+        exit: Callable[[int], object] = os._exit,
     ) -> None:
         for name, value in (
             ("min_stall_s", min_stall_s),
             ("stall_factor", stall_factor),
             ("poll_s", poll_s),
+            ("stuck_s", stuck_s),
         ):
             if not value > 0:
                 raise ValueError(f"StallGuard {name}={value!r}: must be > 0")
@@ -187,7 +193,10 @@ class StallGuard:
         self.min_stall_s = min_stall_s
         self.stall_factor = stall_factor
         self._poll_s = poll_s
+        self.stuck_s = stuck_s
         self._clock = clock
+        self._exit = exit
+        self._aborted: tuple[float, int, int] | None = None  # when, round, new round
         self._lock = threading.Lock()
         self._watch: roster.AssignmentWatch | None = None
         self._sockets: frozenset[int] = frozenset()
@@ -211,6 +220,7 @@ class StallGuard:
                 self._channel, self._local_rank, round_, min_interval_s=0.0
             )
             self._loss = None
+            self._aborted = None
             self._last_beat = self._clock()
             self._steps.clear()
         if self._thread is None:
@@ -226,12 +236,14 @@ class StallGuard:
             if self._watch is not None:
                 self._steps.append(now - self._last_beat)
             self._last_beat = now
+            self._aborted = None
 
     def disarm(self) -> None:
         """Stop watching (before the group is torn down); waits for an abort under way."""
         with self._lock:
             self._watch = None
             self._sockets = frozenset()
+            self._aborted = None
 
     def close(self) -> None:
         """Stop the thread."""
@@ -256,8 +268,24 @@ class StallGuard:
                 log.warning("stall guard check failed: %s", exc)
 
     def check(self) -> bool:
-        """One look (the thread's body); return whether it aborted the collective."""
+        """One look (the thread's body); return whether it aborted the collective.
+
+        After an abort the main thread must leave the collective (it raises, the loop
+        re-forms: :meth:`disarm`) within ``stuck_s``. gloo does not always fail an
+        operation whose connections closed: a send waiting for its peer's
+        ready-to-receive can wait out the whole ``timeout_s`` (seen on a node thawed
+        after its eviction: its peers had closed every connection, so nothing was left
+        to shut down). Then the worker exits (status 1): its agent restarts the node's
+        workers, which join the next round as newcomers and take the state from their
+        peers, instead of the whole job waiting ``timeout_s`` for this node.
+        """
         with self._lock:
+            if self._aborted is not None:
+                aborted_at, old_round, new_round = self._aborted
+                if self._clock() - aborted_at > self.stuck_s:
+                    self._aborted = None
+                    self._stuck(old_round, new_round)  # exits (a test's seam returns)
+                return False
             watch = self._watch
             if watch is None:
                 return False
@@ -274,6 +302,7 @@ class StallGuard:
             old_round = self._round
             self._watch = None  # once per group
             self._sockets = frozenset()
+            self._aborted = (self._clock(), old_round, newer.round)
             self.aborts += 1
         log.warning(
             "no step for %.1f s (threshold %.1f s) and round %d lost a member (round %d "
@@ -290,3 +319,19 @@ class StallGuard:
             )
         )
         return True
+
+    def _stuck(self, old_round: int, new_round: int) -> None:
+        log.error(
+            "the collective of round %d did not end within %.1f s of its abort (gloo left "
+            "an operation waiting after its connections closed): exiting so the agent "
+            "restarts this node's workers; they rejoin in round %d or later with the "
+            "state of their peers",
+            old_round,
+            self.stuck_s,
+            new_round,
+        )
+        events.emit(
+            events.LiveWorkerStuck(round=old_round, new_round=new_round, stuck_s=self.stuck_s)
+        )
+        logging.shutdown()  # flush: the exit skips the interpreter's clean-up
+        self._exit(1)

@@ -143,6 +143,8 @@ class NeighbourCopies:
 
         def run() -> None:
             try:
+                if torch.device(self.device).type == "cuda":  # per thread
+                    torch.cuda.set_device(self.device)
                 copy.pieces[peer] = swap(
                     copy.pieces[own], self.dest, self.src, self.limit, self.device,
                     group=self.group, step=copy.step, check=check,

@@ -463,9 +463,8 @@ class LiveWorld:
         return True
 
     def copy_shards(self, step: int) -> None:
-        """At the step boundary ``step``: adopt a finished neighbour copy of the sharded
-        state; start the next when one is due, with the rest of the state of that step
-        (:meth:`ShardedModel.take_copy`; collective between pairs, in the background)."""
+        """At the step boundary ``step``: adopt a finished neighbour copy (FSDP2), start the
+        next when one is due (:meth:`ShardedModel.take_copy`: pairs, in the background)."""
         if self.sharding is None or not self.sharding.copy_due(step):
             return
         with self.sharding.without_state():
@@ -519,6 +518,8 @@ class LiveWorld:
         Raises:
             ReformTimeoutError: no usable round within ``reform_timeout_s``.
         """
+        if self._guard is not None:
+            self._guard.disarm()  # out of the collective (not stuck in it: live/abort.py)
         started = time.monotonic()
         deadline = started + self.reform_timeout_s
         failed_step = int(self.state.progress["step"])

@@ -135,3 +135,33 @@ def test_bad_stall_bounds_get_clear_errors(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"stall_abort_s=-1.0 must be > 0 seconds, or None"):
         ElasticLoop(model, opt, dataset_size=8, global_batch_size=4, stall_abort_s=-1.0)
+
+
+def test_a_collective_that_outlives_its_abort_ends_the_worker(tmp_path: Path, connection) -> None:
+    """gloo may leave a send waiting after its connections closed (seen on a node thawed
+    after its eviction: nothing left to shut down): ``stuck_s`` after the abort, with the
+    main thread still in the collective, the worker exits for its agent to restart it.
+    Leaving the collective (disarm, beat, a new group) in time keeps it alive."""
+    _client, _server, mine = connection
+    clock = Clock()
+    exits: list[int] = []
+    guard = StallGuard(NodeChannel(tmp_path), 0, poll_s=3600, stuck_s=10.0, clock=clock,
+                       exit=exits.append)  # fmt: skip
+    try:
+        for round_, leave in ((1, "disarm"), (3, "arm"), (5, None)):
+            guard.arm(round_, mine)
+            roster.write_assignment(NodeChannel(tmp_path), assignment(round_ + 1, after_loss=True))
+            clock.now += 5.0
+            assert guard.check()  # aborted
+            clock.now += 9.0
+            assert not guard.check() and not exits  # within stuck_s: the loop may still act
+            if leave == "disarm":
+                guard.disarm()  # the collective raised; the group is torn down
+            elif leave == "arm":
+                guard.arm(round_ + 1, frozenset())
+            clock.now += 2.0
+            assert not guard.check()
+        assert exits == [1]  # only the last: still in the collective 11 s after its abort
+        assert not guard.check() and exits == [1]  # once
+    finally:
+        guard.close()
