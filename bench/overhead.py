@@ -26,10 +26,14 @@ On a machine shared with other jobs the time per step moves by +-30 % from one l
 to the next (measured here), far more than the 3 % to resolve; so the same comparison is
 also made inside one launch (``ab``, run first): the same two processes hold the
 session's model and a second, identical model in a plain DDP wrapper on the session's
-process group, and alternate blocks of ``--block`` steps (5) of the plain loop and of the
-session. Per step the time from its start to the end of its loop's bookkeeping (the
-session's step boundary included); the ratio is the median over block pairs of (session
-block median / the plain block just before it), after the warm-up blocks. What it does
+process group, and alternate blocks of ``--block`` steps (2) of the plain loop and of the
+session. Each block is timed on rank 0 between two barriers, so both loops start it
+with the ranks aligned and it includes every wait for the other rank (timed per step
+instead, the step after the session's boundary vote, which aligns the ranks, was the
+plain loop's, and each session step paid the skew the plain step before it left: a
+3-5 % bias against the session, measured). The ratio is the median over block pairs of
+(session block / the plain block just before it), after the warm-up blocks;
+``ratio_of_sums`` is reported beside it. What it does
 not see: a cost the session adds to the process as a whole (a thread) is paid by both
 loops there; the separate launches do see it.
 
@@ -130,8 +134,11 @@ def body(record: dict[str, Any], warmup: int) -> float:
     return statistics.median(e - b for b, e in zip(bodies, ends, strict=True))
 
 
-def ab_case(res: dict[str, Any], warmup_blocks: int, common: dict[str, Any]) -> dict[str, Any]:
-    """The alternating-blocks run: session block j against the plain block just before it."""
+def ab_case(
+    res: dict[str, Any], warmup_blocks: int, common: dict[str, Any], block: int
+) -> dict[str, Any]:
+    """The alternating-blocks run: session block j against the plain block just before it
+    (each block timed between two barriers)."""
     row: dict[str, Any] = {
         "bench": "overhead", "case": "session_vs_plain_same_processes", "ours": None,
         "baseline": None, "ratio": None, "target": f"<= {TARGET} (moonshot {MOONSHOT})",
@@ -141,23 +148,19 @@ def ab_case(res: dict[str, Any], warmup_blocks: int, common: dict[str, Any]) -> 
         row["errors"] = {"ours": [res["error"]], "baseline": [res["error"]]}
         return row
     rec = res["records"][0]
-    by_block: dict[str, dict[int, list[float]]] = {"plain": {}, "session": {}}
-    for mode in by_block:
-        for block, t0, tx in rec[mode]:
-            if block >= warmup_blocks:
-                by_block[mode].setdefault(block, []).append(tx - t0)
-    pairs = [
-        statistics.median(s) / statistics.median(by_block["plain"][j])
-        for j, s in sorted(by_block["session"].items())
-        if by_block["plain"].get(j)
-    ]
-    ours = statistics.median(t for ts in by_block["session"].values() for t in ts)
-    base = statistics.median(t for ts in by_block["plain"].values() for t in ts)
+    times = {m: {b: end - start for b, start, end in rec["blocks"][m] if b >= warmup_blocks}
+             for m in ("plain", "session")}  # fmt: skip
+    both = sorted(set(times["session"]) & set(times["plain"]))
+    pairs = [times["session"][j] / times["plain"][j] for j in both]
+    ours = statistics.median(times["session"][j] for j in both) / block if both else 0.0
+    base = statistics.median(times["plain"][j] for j in both) / block if both else 1.0
+    sums = sum(times["session"][j] for j in both) / max(1e-9, sum(times["plain"][j] for j in both))
     ratio = statistics.median(pairs) if pairs else None
     row.update(
         ours=round(ours * 1e3, 2), baseline=round(base * 1e3, 2),
         ratio=ratio and round(ratio, 4), ok=ratio is not None and ratio <= TARGET,
         block_pairs=len(pairs), ratio_of_medians=round(ours / base, 4),
+        ratio_of_sums=round(sums, 4),
         pair_ratio_p25_p75=[round(q, 3) for q in statistics.quantiles(pairs, n=4)[::2]]
         if len(pairs) >= 2 else None,
     )  # fmt: skip
@@ -169,7 +172,7 @@ def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
     in the background (ours), against the same run waiting for each copy at its boundary
     (as a synchronous copy would); each against the plain FSDP2 blocks of its launch, by
     the ratio of the mean times per step (a periodic cost counts in full)."""
-    steps = args.ab_steps or (80 if args.quick else 200)
+    steps = args.ab_steps or (100 if args.quick else 240)
     warmup_blocks = max(1, (args.warmup if args.warmup is not None else 10) // args.block)
     rows = []
     for case, extra in (("background", ()), ("waited", ("--copy-wait",))):
@@ -188,15 +191,15 @@ def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
             rows.append({**row, "errors": [res["error"]]})
             continue
         rec = res["records"][0]
-        times = {m: [tx - t0 for b, t0, tx in rec[m] if b >= warmup_blocks]
+        times = {m: [end - start for b, start, end in rec["blocks"][m] if b >= warmup_blocks]
                  for m in ("plain", "session")}  # fmt: skip
         ours, base = statistics.mean(times["session"]), statistics.mean(times["plain"])
         ratio = ours / base
         row.update(
-            ours=round(ours * 1e3, 2), baseline=round(base * 1e3, 2), ratio=round(ratio, 4),
+            ours=round(ours * 1e3 / args.block, 2), baseline=round(base * 1e3 / args.block, 2),
+            ratio=round(ratio, 4),
             ok=case != "background" or ratio <= TARGET, copy_step=rec.get("copy_step"),
-            session_median_ms=round(statistics.median(times["session"]) * 1e3, 2),
-            plain_median_ms=round(statistics.median(times["plain"]) * 1e3, 2),
+            blocks=len(times["session"]),
         )  # fmt: skip
         if not rec.get("copy_step"):
             row.update(ok=False, errors=["no neighbour copy was taken"])
@@ -214,7 +217,7 @@ def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]
     flags: tuple[str, ...] = () if kind == "ddp" else ("--fsdp",)
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     errors: dict[str, list[str]] = {m: [] for m in modes}
-    ab_steps = args.ab_steps or (80 if args.quick else 200)
+    ab_steps = args.ab_steps or (100 if args.quick else 240)
     ab = run_once("ab", d, ab_steps, args.global_batch, args.limit,
                   ("--block", str(args.block), *flags))  # fmt: skip
     if "error" in ab:
@@ -249,7 +252,7 @@ def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]
               "state_mb": round(params * 12 / 1e6, 1), "workers": 2, "steps": steps,
               "warmup": warmup, "repeats": repeat, "global_batch": args.global_batch,
               "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
-    ab_row = ab_case(ab, max(1, warmup // args.block), {**common, "steps": ab_steps})
+    ab_row = ab_case(ab, max(1, warmup // args.block), {**common, "steps": ab_steps}, args.block)
     rows = [{**ab_row, "case": prefix + ab_row["case"]}]
     for mode, case, target in (
         ("session", "session_vs_plain", f"<= {TARGET} (moonshot {MOONSHOT})"),
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--ab-steps", type=int, default=None, help="session steps of the ab run")
-    ap.add_argument("--block", type=int, default=5, help="steps per block of the ab run")
+    ap.add_argument("--block", type=int, default=2, help="steps per block of the ab run")
     ap.add_argument("--limit", type=float, default=180.0, help="seconds per launch")
     ap.add_argument("--models", default="ddp,fsdp,copies",
                     help="ddp,fsdp,copies (FSDP2: --fsdp launches; copies: FSDP2's neighbour "

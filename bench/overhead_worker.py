@@ -205,11 +205,18 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     b, per = args.global_batch, args.global_batch // world
     plain_marks: list[tuple[int, float, float]] = []
     session_marks: list[tuple[int, float, float]] = []
+    # per block (block, start, end), each block between two barriers: both loops' blocks
+    # start with the ranks aligned and include every wait for the other rank (a loop
+    # that synchronises at its end, as the session's vote does, is not favoured)
+    blocks: dict[str, list[tuple[int, float, float]]] = {"plain": [], "session": []}
     plain_step = 0
+    session_start = 0.0
     while not session.finished(steps=args.steps):
         for _ in session.batches():
             if session.step_count % args.block == 0:  # a plain block first
                 block = session.step_count // args.block
+                dist.barrier()
+                start = time.perf_counter()
                 for _ in range(args.block):
                     t0 = time.perf_counter()
                     i = plain_step % args.steps
@@ -217,6 +224,10 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
                     train_step(ddp, plain_opt, x[idx], y[idx], 1.0 / b * world)
                     plain_marks.append((block, t0, time.perf_counter()))
                     plain_step += 1
+                dist.barrier()
+                blocks["plain"].append((block, start, time.perf_counter()))
+                dist.barrier()
+                session_start = time.perf_counter()
             block = session.step_count // args.block
             t0 = time.perf_counter()
             with session.step() as s:
@@ -224,6 +235,9 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
             if args.copy_wait and session.sharded is not None:
                 session.sharded.wait_copy()
             session_marks.append((block, t0, time.perf_counter()))
+            if session.step_count % args.block == 0:
+                dist.barrier()
+                blocks["session"].append((block, session_start, time.perf_counter()))
             if session.interrupted or session.reached(steps=args.steps):
                 break
     if session.sharded is not None:
@@ -233,6 +247,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     del ddp
     session.close()
     out["plain"], out["session"] = plain_marks, session_marks
+    out["blocks"] = blocks
     return rank
 
 
