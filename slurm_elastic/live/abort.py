@@ -270,14 +270,16 @@ class StallGuard:
     def check(self) -> bool:
         """One look (the thread's body); return whether it aborted the collective.
 
-        After an abort the main thread must leave the collective (it raises, the loop
-        re-forms: :meth:`disarm`) within ``stuck_s``. gloo does not always fail an
-        operation whose connections closed: a send waiting for its peer's
-        ready-to-receive can wait out the whole ``timeout_s`` (seen on a node thawed
-        after its eviction: its peers had closed every connection, so nothing was left
-        to shut down). Then the worker exits (status 1): its agent restarts the node's
-        workers, which join the next round as newcomers and take the state from their
-        peers, instead of the whole job waiting ``timeout_s`` for this node.
+        An abort that found no connection left to shut down must see the main thread
+        leave (it raises, the loop re-forms: :meth:`disarm`) within ``stuck_s``. gloo
+        does not always fail an operation whose connections closed: a send waiting for
+        its peer's ready-to-receive can wait out the whole ``timeout_s`` (seen on a node
+        thawed after its eviction: its peers had closed every connection). Then the
+        worker exits (status 1): its agent restarts the node's workers, which join the
+        next round as newcomers and take the state from their peers, instead of the
+        whole job waiting ``timeout_s`` for this node. (An abort that shut connections
+        down leaves a worker busy elsewhere, e.g. in a long validation, to find the
+        failure at its next collective, as before.)
         """
         with self._lock:
             if self._aborted is not None:
@@ -302,7 +304,9 @@ class StallGuard:
             old_round = self._round
             self._watch = None  # once per group
             self._sockets = frozenset()
-            self._aborted = (self._clock(), old_round, newer.round)
+            # nothing left to shut down: if the main thread is in the collective, only
+            # gloo's own timeout would end it (see below); else it is busy elsewhere
+            self._aborted = (self._clock(), old_round, newer.round) if closed == 0 else None
             self.aborts += 1
         log.warning(
             "no step for %.1f s (threshold %.1f s) and round %d lost a member (round %d "
