@@ -51,9 +51,17 @@ measurements (``fsdp_session_vs_plain_same_processes``, ``fsdp_session_vs_plain`
 target) and ``fsdp_rss_session_vs_plain``; ``ElasticLoop`` runs the session's code and is
 not launched again.
 
-``--quick`` (~4 min here at a low load): 2 repetitions of 40 steps (10 warm-up) per
-model, so its separate-launch ratios are mostly noise (the same-processes ratio is the
-one to read); the full run: 8 of 100 (20 warm-up).
+**Neighbour copies** (``--models`` has ``copies``, the default): FSDP2's copies every
+``COPY_EVERY`` (10) steps, each rank standing in for a node (``LOCAL_WORLD_SIZE=1`` in
+the worker): the same-processes run with the copies in the background
+(``fsdp_copies_background_vs_plain_same_processes``, target <= 1.03) and with each copy
+waited for at its boundary, as a synchronous copy would (``..._waited_...``,
+reported); mean block times, so the periodic cost counts in full.
+
+``--quick`` (~4 min here at a low load): same-processes runs of 100 steps per loop (60
+for the copies), and 2 separate launches of 40 steps (10 warm-up) per loop and model,
+so its separate-launch ratios are mostly noise (the same-processes ratio is the one to
+read); the full run: 240 steps, 8 launches of 100 (20 warm-up).
 Prints a table and one JSON line per case (bench, case, ours, baseline, ratio, target,
 ok, unit, ...).
 """
@@ -172,7 +180,7 @@ def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
     in the background (ours), against the same run waiting for each copy at its boundary
     (as a synchronous copy would); each against the plain FSDP2 blocks of its launch, by
     the ratio of the mean times per step (a periodic cost counts in full)."""
-    steps = args.ab_steps or (100 if args.quick else 240)
+    steps = args.ab_steps or (60 if args.quick else 240)
     warmup_blocks = max(1, (args.warmup if args.warmup is not None else 10) // args.block)
     rows = []
     for case, extra in (("background", ()), ("waited", ("--copy-wait",))):
