@@ -39,6 +39,7 @@ from slurm_elastic.training.state import TensorSpec
 
 __all__ = [
     "DEFAULT_LIMIT",
+    "MAX_HEADER",
     "TensorSpec",
     "all_gather",
     "broadcast",
@@ -52,7 +53,8 @@ __all__ = [
 DEFAULT_LIMIT = 1 << 20
 """Default bound on a small value's encoded size (1 MiB): steps, messages, RNG states."""
 
-_MAX_HEADER = 64 << 20
+MAX_HEADER = 64 << 20
+"""The most bytes a received value's JSON header may have."""
 _ALIGN = 64
 _BLOB = struct.Struct("<8sQQ")
 _BLOB_MAGIC = b"SLEWIRE1"
@@ -65,8 +67,14 @@ def _device(group: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _encode(value: Any) -> tuple[bytes, torch.Tensor]:
-    """``(header, data)``: the JSON header and every tensor's bytes in one uint8 tensor."""
+def encode(value: Any) -> tuple[bytes, torch.Tensor]:
+    """``(header, data)``: ``value`` as a JSON header and one CPU uint8 tensor holding
+    every tensor's bytes back to back (no pickle; one copy of the tensors);
+    :func:`decode` reverses it.
+
+    Raises:
+        StateExchangeError: ``value`` holds something this encoding does not carry.
+    """
     try:
         tree, records, tensors = encode_tree(value)
     except UnsupportedStateError as exc:
@@ -108,17 +116,6 @@ def _materialize(tree: Any, records: list[Any], data: torch.Tensor) -> Any:
     return decode_tree(tree, tensors)
 
 
-def encode(value: Any) -> tuple[bytes, torch.Tensor]:
-    """``(header, data)``: ``value`` as a JSON header and one CPU uint8 tensor holding
-    every tensor's bytes back to back (no pickle; one copy of the tensors), for a sender
-    that moves the two itself; :func:`decode` reverses it.
-
-    Raises:
-        StateExchangeError: ``value`` holds something this encoding does not carry.
-    """
-    return _encode(value)
-
-
 def decode(header: bytes, data: torch.Tensor, *, check: Callable[[Any], None] | None = None) -> Any:
     """What :func:`encode` encoded; the tensors are views of ``data`` (a uint8 tensor).
     ``check`` sees the structure (:class:`TensorSpec` in place of each tensor) first.
@@ -127,7 +124,7 @@ def decode(header: bytes, data: torch.Tensor, *, check: Callable[[Any], None] | 
         StateExchangeError: malformed (records out of ``data``, overlapping, ...).
         Exception: whatever ``check`` raises.
     """
-    if len(header) > _MAX_HEADER:
+    if len(header) > MAX_HEADER:
         raise StateExchangeError(f"received a header of {len(header)} bytes")
     try:
         tree, records = _parse_header(header, data.numel())
@@ -144,7 +141,7 @@ def pack(value: Any) -> bytes:
     Raises:
         StateExchangeError: ``value`` holds something this encoding does not carry.
     """
-    header, data = _encode(value)
+    header, data = encode(value)
     start = _BLOB.size + len(header)
     pad = -start % _ALIGN
     return (
@@ -238,7 +235,7 @@ def broadcast(
     local: StateExchangeError | None = None
     if ex.sending:
         try:
-            header, data = _encode(value)
+            header, data = encode(value)
         except StateExchangeError as exc:
             local = exc
     ex.agree(local)  # the sender's own refusal first
@@ -299,7 +296,7 @@ def _broadcast_sizes(
     dist.broadcast(sizes, src=ex.src, group=ex.group)
     hlen, dlen = (int(v) for v in sizes.tolist())
     local = None
-    if not ex.sending and not (0 < hlen <= min(_MAX_HEADER, limit) and 0 <= dlen <= limit):
+    if not ex.sending and not (0 < hlen <= min(MAX_HEADER, limit) and 0 <= dlen <= limit):
         local = StateExchangeError(
             f"{ex.what} announces {hlen} header and {dlen} data bytes; at most {limit} allowed"
         )

@@ -76,7 +76,7 @@ def swap(
         dist.irecv(theirs, src, group=group, tag=_SIZE_TAG),
     )
     hlen, dlen, their_step = (int(v) for v in theirs.tolist())
-    if not (0 < hlen <= min(limit, 64 << 20) and 0 <= dlen <= limit):
+    if not (0 < hlen <= min(limit, exchange.MAX_HEADER) and 0 <= dlen <= limit):
         raise StateExchangeError(
             f"rank {src} announced a shard copy of {hlen} + {dlen} bytes; at most {limit} allowed"
         )

@@ -76,10 +76,10 @@ class FSDPConfig:
             ``gcd(replicate, W)`` replicas of ``W / gcd`` ranks each.
         reshard_after_forward: passed to ``fully_shard``.
         copy_every: with one replica (plain FSDP2), every this many steps each rank
-            copies its shards to host memory and swaps them with its neighbours in the
-            background (the same local rank of the next and the previous node), so that a node lost
-            without notice is rebuilt in place redoing at most this many steps; costs
-            two shards of host memory per rank and one shard sent per copy.
+            swaps its shards with its neighbours in the background (the same local
+            rank of the next and the previous node): a node lost without notice is
+            rebuilt in place, redoing at most this many steps; costs two shards of host
+            memory per rank and one shard sent per copy.
             ``None``: 50; ``0``: never (a hard loss restarts from the checkpoint).
             With HSDP (two replicas or more) the replicas hold every shard: no copy.
     """
@@ -332,18 +332,18 @@ class ShardedModel:
     # -- a hard loss: the state rebuilt from the survivors' shards (live/shards.py) -------
 
     def open_copies(self, backend: str, local_world: int, device: Any) -> None:
-        """Collective over the current world, after :meth:`shard`: the neighbour copies'
-        group, when this mesh takes copies (they are on, the mesh is 1-D: with HSDP the
-        other replicas hold every shard, and there is another node; ``local_world``:
-        ranks per node)."""
+        """Collective, after :meth:`shard`: the neighbour copies' group, if copies are on,
+        the mesh 1-D (HSDP: replicas hold every shard) and spans >1 node of ``local_world``."""
         import torch.distributed as dist
 
-        every = DEFAULT_COPY_EVERY if self.config.copy_every is None else self.config.copy_every
-        world = self._mesh.size() if self._mesh is not None else 0
-        if every > 0 and self._mesh.ndim == 1 and world > local_world:
+        n = self._mesh.size() if self._mesh is not None and self._mesh.ndim == 1 else 0
+        if self._copy_every() > 0 and n > local_world:
             me = dist.get_rank()
-            dest, src = (me + local_world) % world, (me - local_world) % world
+            dest, src = (me + local_world) % n, (me - local_world) % n
             self._copies = copies.NeighbourCopies(backend, dest, src, self._piece_limit(), device)
+
+    def _copy_every(self) -> int:
+        return DEFAULT_COPY_EVERY if self.config.copy_every is None else self.config.copy_every
 
     def copy_due(self, step: int) -> bool:
         """Whether the step boundary ``step`` takes a neighbour copy (the same on every
@@ -351,8 +351,7 @@ class ShardedModel:
         if self._copies is None:
             return False
         self._copies.poll()
-        every = DEFAULT_COPY_EVERY if self.config.copy_every is None else self.config.copy_every
-        return step > 0 and step % every == 0
+        return step > 0 and step % self._copy_every() == 0
 
     @property
     def copy_step(self) -> int | None:
@@ -362,7 +361,7 @@ class ShardedModel:
 
     def wait_copy(self) -> None:
         """Wait for the neighbour copy in flight and adopt it (its failure raised)."""
-        if self._copies is not None:
+        if self._copies:
             self._copies.poll(wait=True)
 
     @contextmanager

@@ -138,7 +138,7 @@ def main() -> None:
                 state = ElasticState(model, opt, step=99)
                 state.commit((5, 99))
                 if case in ("qint8_header", "huge"):
-                    real = exchange._encode  # the attacker edits what it sends
+                    real = exchange.encode  # the attacker edits what it sends
 
                     def forged(value: Any) -> tuple[bytes, torch.Tensor]:
                         header, data = real(value)
@@ -148,7 +148,7 @@ def main() -> None:
                             return json.dumps(body).encode(), data
                         return header, torch.zeros(1 << 24, dtype=torch.uint8)  # 16 MiB
 
-                    exchange._encode = forged  # type: ignore[assignment]
+                    exchange.encode = forged  # type: ignore[assignment]
             else:
                 state, model = victim_state()
             before = snapshot(model)

@@ -103,7 +103,7 @@ def test_pack_unpack_round_trip_and_no_pickle_fallback() -> None:
 
 
 def _forged_blob(mutate: Any) -> bytes:
-    header, data = exchange._encode({"w": torch.ones(4), "v": torch.zeros(2, dtype=torch.int64)})
+    header, data = exchange.encode({"w": torch.ones(4), "v": torch.zeros(2, dtype=torch.int64)})
     body = json.loads(header)
     mutate(body)
     text = json.dumps(body).encode()
