@@ -77,6 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,21 +90,53 @@ MODES = ("plain", "session", "loop")
 COPY_EVERY = 10  # neighbour copies in the copies case: 5x as often as the default
 
 
+@dataclass
+class Launch:
+    """How every run of this invocation is launched (set once from the arguments)."""
+
+    device: str = "cpu"
+    workers: int = 2
+    launcher: str = "agent"
+    width: int = 2048
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"device": self.device, "workers": self.workers,
+                                "launcher": self.launcher, "width": self.width}  # fmt: skip
+        if self.device == "cuda":
+            import torch
+
+            info |= {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        return info
+
+
+LAUNCH = Launch()
+
+
 def run_once(
     mode: str, tmp: Path, steps: int, batch: int, limit: float, extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """One launch of ``mode`` under the agent with 2 workers; rank 0's and 1's records."""
+    """One launch of ``mode`` with ``LAUNCH.workers`` workers (under our agent, or under
+    torch's own launcher with ``--launcher torchrun``); every rank's record."""
     out = tmp / f"out-{mode}-{time.monotonic_ns()}"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for key in [k for k in env if k.startswith("SLURM")]:
         env.pop(key)
+    workers = LAUNCH.workers
+    if LAUNCH.launcher == "torchrun":
+        launcher = [PY, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(workers), "--max-restarts", "0"]  # fmt: skip
+    else:
+        launcher = [
+            PY, "-m", "slurm_elastic.cli.main", "agent", "--nnodes", "1",
+            "--nproc-per-node", str(workers), "--rdzv-backend", "slurm",
+            "--rdzv-endpoint", str(out / "rdzv"), "--rdzv-id", "overhead",
+            "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+            "--state-dir", str(out / "state"), "--max-restarts", "0",
+        ]  # fmt: skip
     argv = [
-        PY, "-m", "slurm_elastic.cli.main", "agent", "--nnodes", "1", "--nproc-per-node", "2",
-        "--rdzv-backend", "slurm", "--rdzv-endpoint", str(out / "rdzv"), "--rdzv-id", "overhead",
-        "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-        "--state-dir", str(out / "state"), "--max-restarts", "0",
-        str(WORKER), mode, str(out), "--steps", str(steps), "--global-batch", str(batch), *extra,
+        *launcher, str(WORKER), mode, str(out), "--steps", str(steps), "--global-batch",
+        str(batch), "--device", LAUNCH.device, "--width", str(LAUNCH.width), *extra,
     ]  # fmt: skip
     with open(out / "agent.log", "wb") as log:
         try:
@@ -113,13 +146,13 @@ def run_once(
         except subprocess.TimeoutExpired:
             rc = "timeout"
     records = {}
-    for rank in (0, 1):
+    for rank in range(workers):
         path = out / f"{mode}.{rank}.json"
         if path.exists():
             records[rank] = json.loads(path.read_text())
-    if rc != 0 or len(records) != 2:
+    if rc != 0 or len(records) != workers:
         tail = (out / "agent.log").read_text(errors="replace")[-1500:]
-        return {"error": f"exit {rc}, {len(records)} of 2 records", "log_tail": tail}
+        return {"error": f"exit {rc}, {len(records)} of {workers} records", "log_tail": tail}
     return {"records": records}
 
 
@@ -192,7 +225,7 @@ def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
             "ours": None, "baseline": None, "ratio": None, "unit": "ms/step",
             "target": f"<= {TARGET} (copy every {COPY_EVERY} steps)" if case == "background"
             else "reported", "ok": False, "copy_every": COPY_EVERY, "steps": steps,
-            "load_avg": round(os.getloadavg()[0], 2),
+            "load_avg": round(os.getloadavg()[0], 2), **LAUNCH.describe(),
         }  # fmt: skip
         if "error" in res:
             print(f"# copies {case}: {res['error']}\n{res['log_tail']}", file=sys.stderr)
@@ -230,7 +263,7 @@ def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]
                   ("--block", str(args.block), *flags))  # fmt: skip
     if "error" in ab:
         print(f"# {kind} ab: {ab['error']}\n{ab['log_tail']}", file=sys.stderr, flush=True)
-    for rep in range(repeat):
+    for rep in range(0 if args.ab_only else repeat):
         order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
         for mode in order:
             res = run_once(mode, d, steps, args.global_batch, args.limit, flags)
@@ -255,13 +288,17 @@ def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]
         return statistics.median(r[key] for r in runs) if runs else None
 
     base = med("plain", "step_s")
-    params = next((r["params"] for rs in per_mode.values() for r in rs), 0)
+    params = next((r["params"] for rs in per_mode.values() for r in rs), 0) or (
+        ab.get("records", {}).get(0, {}).get("params", 0)
+    )
     common = {"model": kind, "params_m": round(params / 1e6, 2),
-              "state_mb": round(params * 12 / 1e6, 1), "workers": 2, "steps": steps,
-              "warmup": warmup, "repeats": repeat, "global_batch": args.global_batch,
+              "state_mb": round(params * 12 / 1e6, 1), **LAUNCH.describe(), "steps": steps,
+              "warmup": warmup, "repeats": 0 if args.ab_only else repeat, "global_batch": args.global_batch,
               "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
     ab_row = ab_case(ab, max(1, warmup // args.block), {**common, "steps": ab_steps}, args.block)
     rows = [{**ab_row, "case": prefix + ab_row["case"]}]
+    if args.ab_only:
+        return rows
     for mode, case, target in (
         ("session", "session_vs_plain", f"<= {TARGET} (moonshot {MOONSHOT})"),
         ("loop", "loop_vs_plain", "reported"),
@@ -308,7 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="ddp,fsdp,copies",
                     help="ddp,fsdp,copies (FSDP2: --fsdp launches; copies: FSDP2's neighbour "
                     "copies, each rank standing in for a node)")  # fmt: skip
+    ap.add_argument("--ab-only", action="store_true", help="only the same-processes runs")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: NCCL, one worker per GPU (NCCL refuses two ranks on one GPU)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="workers per launch (default 2; with cuda: min(2, GPUs))")
+    ap.add_argument("--launcher", choices=["agent", "torchrun"], default="agent",
+                    help="torchrun: torch's own launcher (the session takes its restart-path "
+                    "mode: the same step boundary and vote, no in-place readiness check)")
+    ap.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     args = ap.parse_args(argv)
+    workers = args.workers
+    if workers is None and args.device == "cuda":
+        import torch
+
+        workers = min(2, torch.cuda.device_count())
+        if workers == 0:
+            ap.error("--device cuda: no CUDA device here")
+    LAUNCH.device, LAUNCH.workers = args.device, workers or 2
+    LAUNCH.launcher, LAUNCH.width = args.launcher, args.width
+    if "copies" in args.models and LAUNCH.workers < 2:
+        ap.error(f"--models={args.models!r}: neighbour copies need 2 workers, "
+                 f"not {LAUNCH.workers} (drop copies)")  # fmt: skip
     kinds = [k for k in args.models.split(",") if k]
     unknown = sorted(set(kinds) - {"ddp", "fsdp", "copies"})
     if unknown or not kinds:

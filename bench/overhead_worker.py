@@ -54,7 +54,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--copy-wait", action="store_true",
         help="with --copy-every: wait for each copy at its boundary (as a synchronous copy)",
     )  # fmt: skip
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: the model and data on cuda:LOCAL_RANK, NCCL (one rank per GPU)",
+    )  # fmt: skip
     return p.parse_args(argv)
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    if args.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def backend_of(args: argparse.Namespace) -> str:
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
+def sync(args: argparse.Namespace) -> None:
+    """Wait for the device's queued work (CUDA: the host runs ahead of the kernels)."""
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def init_plain(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        dist.init_process_group("nccl", device_id=device_of(args))
+    else:
+        dist.init_process_group("gloo")
+
+
+def ddp_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"device_ids": [device_of(args).index]} if args.device == "cuda" else {}
 
 
 LINEARS = (0, 2, 4)  # the Linear layers of the Sequential: FSDP2's units
@@ -81,7 +112,7 @@ def shard_plain(model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
     for i in LINEARS:
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -89,15 +120,18 @@ def shard_plain(model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, 
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
-    """The model (3 Linear layers), its Adam, and a dataset of one sample per step slot."""
+    """The model (3 Linear layers), its Adam, and a dataset of one sample per step slot
+    (on the device: a batch is indexed there, no host-to-device copy per step)."""
     torch.manual_seed(args.seed)
     f, w = args.features, args.width
+    device = device_of(args)
     model = nn.Sequential(nn.Linear(f, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, f))
+    model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    gen = torch.Generator(device).manual_seed(args.seed + 1)
     size = args.global_batch * args.steps  # one epoch: no epoch boundary inside the run
-    x = torch.randn(size, f, generator=gen)
-    y = torch.randn(size, f, generator=gen)
+    x = torch.randn(size, f, generator=gen, device=device)
+    y = torch.randn(size, f, generator=gen, device=device)
     return model, opt, x, y
 
 
@@ -114,13 +148,13 @@ Marks = list[tuple[float, float, float]]  # (step starts, body starts, body ends
 def run_plain(args: argparse.Namespace, marks: Marks) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
+    init_plain(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, x, y = build(args)
     if args.fsdp:
         ddp, opt = shard_plain(model, args)
     else:
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, **ddp_kwargs(args))
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
     b = args.global_batch
     per = b // world
@@ -129,6 +163,7 @@ def run_plain(args: argparse.Namespace, marks: Marks) -> int:
         idx = order[step * b + rank * per : step * b + (rank + 1) * per]
         train_step(ddp, opt, x[idx], y[idx], 1.0 / b * world)
         marks.append((t0, t0, time.perf_counter()))
+    sync(args)
     dist.barrier()
     dist.destroy_process_group()
     return rank
@@ -140,7 +175,7 @@ def run_session(args: argparse.Namespace, marks: Marks) -> int:
     model, opt, x, y = build(args)
     session = ElasticSession(
         model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed,
-        fsdp=fsdp_config(args),
+        fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
     )  # fmt: skip
     while not session.finished(steps=args.steps):
         for _ in session.batches():
@@ -163,7 +198,7 @@ def run_loop(args: argparse.Namespace, marks: Marks) -> int:
     model, opt, x, y = build(args)
     loop = ElasticLoop(
         model, opt, dataset_size=len(x), global_batch_size=args.global_batch,
-        fsdp=fsdp_config(args),
+        fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
     )  # fmt: skip
 
     def one(step: Any) -> None:
@@ -193,13 +228,13 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     plain_model, plain_opt, _, _ = build(args)
     session = ElasticSession(
         model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed,
-        fsdp=fsdp_config(args),
+        fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
     )  # fmt: skip
     session.start()
     if args.fsdp:
         ddp, plain_opt = shard_plain(plain_model, args)
     else:
-        ddp = DistributedDataParallel(plain_model)
+        ddp = DistributedDataParallel(plain_model, **ddp_kwargs(args))
     rank, world = session.rank, session.world_size
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
     b, per = args.global_batch, args.global_batch // world
@@ -215,6 +250,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
         for _ in session.batches():
             if session.step_count % args.block == 0:  # a plain block first
                 block = session.step_count // args.block
+                sync(args)
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(args.block):
@@ -224,6 +260,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
                     train_step(ddp, plain_opt, x[idx], y[idx], 1.0 / b * world)
                     plain_marks.append((block, t0, time.perf_counter()))
                     plain_step += 1
+                sync(args)
                 dist.barrier()
                 blocks["plain"].append((block, start, time.perf_counter()))
                 dist.barrier()
@@ -236,6 +273,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
                 session.sharded.wait_copy()
             session_marks.append((block, t0, time.perf_counter()))
             if session.step_count % args.block == 0:
+                sync(args)
                 dist.barrier()
                 blocks["session"].append((block, session_start, time.perf_counter()))
             if session.interrupted or session.reached(steps=args.steps):
@@ -254,6 +292,8 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(device_of(args))  # as a user's script does, before the session
     marks: Marks = []
     record: dict[str, Any] = {}
     if args.mode == "ab":
