@@ -346,13 +346,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="ddp,fsdp,copies (FSDP2: --fsdp launches; copies: FSDP2's neighbour "
                     "copies, each rank standing in for a node)")  # fmt: skip
     ap.add_argument("--ab-only", action="store_true", help="only the same-processes runs")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cuda: NCCL, one worker per GPU (NCCL refuses two ranks on one GPU)")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="workers per launch (default 2; with cuda: min(2, GPUs))")
-    ap.add_argument("--launcher", choices=["agent", "torchrun"], default="agent",
-                    help="torchrun: torch's own launcher (the session takes its restart-path "
-                    "mode: the same step boundary and vote, no in-place readiness check)")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: NCCL, one worker per GPU (NCCL refuses two ranks on one GPU)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers per launch (default 2; with cuda: min(2, GPUs))",
+    )
+    ap.add_argument(
+        "--launcher",
+        choices=["agent", "torchrun"],
+        default="agent",
+        help="torchrun: torch's own launcher (the session takes its restart-path "
+        "mode: the same step boundary and vote, no in-place readiness check)",
+    )
     ap.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     args = ap.parse_args(argv)
     workers = args.workers
