@@ -58,6 +58,15 @@ the worker): the same-processes run with the copies in the background
 waited for at its boundary, as a synchronous copy would (``..._waited_...``,
 reported); mean block times, so the periodic cost counts in full.
 
+**On a GPU** (``--device cuda``): the model and data on ``cuda:LOCAL_RANK``, NCCL, one
+worker per GPU up to 2 (NCCL refuses two ranks on one GPU: a 1-GPU machine runs one
+worker, so the ranks' skew and the cross-rank traffic are not measured), blocks timed
+after a ``torch.cuda.synchronize()``. ``--launcher torchrun`` launches with torch's own
+launcher instead of our agent (a GPU machine's torch can be older than the agent
+accepts; the session then takes its restart-path mode: the same boundary and vote).
+``--ab-only`` runs only the same-processes runs; ``--width`` sets the MLP's hidden width
+(8192: a GPU-bound step). ``bench/gpu_checks.sh`` runs it with the other GPU checks.
+
 ``--quick`` (~4 min here at a low load): same-processes runs of 100 steps per loop (60
 for the copies), and 2 separate launches of 40 steps (10 warm-up) per loop and model,
 so its separate-launch ratios are mostly noise (the same-processes ratio is the one to
