@@ -154,7 +154,7 @@ class Node:
         self.log.close()
 
 
-def newcomer_phases(tmp: Path, node: Node, t0: float, t_new: float) -> dict[str, float] | None:
+def newcomer_phases(tmp: Path, node: Node, t0: float, t_new: float) -> dict[str, Any] | None:
     """Where a newcomer's first step went, from its agent's and its worker's events:
     each value is the time from the previous phase's end (ours only)."""
     events_dir = tmp / "state" / "events" / "bench"
@@ -164,10 +164,10 @@ def newcomer_phases(tmp: Path, node: Node, t0: float, t_new: float) -> dict[str,
         return None
     formed = [e["time"] for e in agent if e["kind"] == "rendezvous.complete"]
     worker_pids = node.workers()
-    live = [
-        e["time"] for pid in worker_pids for e in _events(events_dir, pid)
-        if e["kind"] == "live.start"
+    starts = [
+        e for pid in worker_pids for e in _events(events_dir, pid) if e["kind"] == "live.start"
     ]  # fmt: skip
+    live = [e["time"] for e in starts]
     marks = [
         ("agent_import_s", min(e["time"] for e in agent if e["kind"] == "agent.start")),
         ("rendezvous_s", max(formed)),
@@ -175,10 +175,18 @@ def newcomer_phases(tmp: Path, node: Node, t0: float, t_new: float) -> dict[str,
         ("worker_ready_s", min(live) if live else None),
         ("state_and_step_s", t_new),
     ]
-    out, last = {}, t0
+    out: dict[str, Any] = {}
+    last = t0
     for name, mark in marks:
         if mark is not None:
             out[name], last = round(mark - last, 3), mark
+    if starts and "worker_ready_s" in out:
+        # inside worker_ready: the script up to its session's start (the user's imports,
+        # the model), then the session's own phases (live.start's phases_s)
+        first = min(starts, key=lambda e: e["time"])
+        phases = first.get("phases_s") or {}
+        inside = {"script_s": round(out["worker_ready_s"] - sum(phases.values()), 3)}
+        out["worker_ready_detail_s"] = inside | {k: round(v, 3) for k, v in phases.items()}
     return out
 
 

@@ -361,6 +361,12 @@ class LiveStart(Event):
     step: int = 0
     in_place: bool = False
     resumed_from: str | None = None
+    #: where the start's time went, in seconds: in place ``connect_s`` (the round's
+    #: store), ``join_s`` (the process group: waits for every rank of the round, e.g.
+    #: survivors switching at their next boundary), ``state_s`` (the newest commit from a
+    #: peer); ``resume_s`` (a checkpoint, when no peer had a commit) and ``wrap_s``
+    #: (DDP's wrapper or FSDP2's sharding)
+    phases_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @_register

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -289,13 +290,17 @@ class ElasticSession:
             return
         self._started = True
         from_peer = self.world.open()
+        t0 = time.monotonic()
         if from_peer:
             self.resumed_from = "peer"
         else:
             self._resume_from_checkpoint()
             self.world.commit(self.step_count)
+        t1 = time.monotonic()
         self.world.wrap()
         self.world.register(int(os.environ.get("LOCAL_RANK", "0")))
+        resumed = {} if from_peer else {"resume_s": t1 - t0}
+        phases = {**self.world.start_phases, **resumed, "wrap_s": time.monotonic() - t1}
         events.emit(
             events.LiveStart(
                 rank=self.rank,
@@ -303,6 +308,7 @@ class ElasticSession:
                 step=self.step_count,
                 in_place=self.in_place,
                 resumed_from=self.resumed_from,
+                phases_s={k: round(v, 4) for k, v in phases.items()},
             )
         )
 
@@ -497,18 +503,13 @@ class ElasticSession:
         self.cadence.agreed(self.step_count, self.world.round, agreed.next_in)
         if agreed.any_leave:
             self.departure.saw_leave()
-        if (
-            agreed.ready_max > 0
-            and not leaving
-            and self.world.pending_round() != agreed.ready_max - 1
-        ):
-            # A rank verified that every rank of round ready_max - 1 announced itself in
-            # its store, and this one holds no assignment for it: its node has no place
-            # in that round (the new round filled max_nodes and its agent waits as a
-            # spare). Leave at the next boundary like a node with notice, so the others
-            # switch without a rollback; the agent starts new workers if promoted. (No
-            # early return: the rest of this boundary, a save included, is collective.)
-            log.info("not a member of round %d: leaving at the switch", agreed.ready_max - 1)
+        new = agreed.ready_max - 1  # the round every rank announced itself in, if any
+        if agreed.ready_max > 0 and not leaving and self.world.pending_round() != new:
+            # Every rank of round `new` announced itself, and this one holds no
+            # assignment for it: its node is a spare (the round filled max_nodes). Leave
+            # at the next boundary like a node with notice, so the others switch with no
+            # rollback. (No early return: the rest of this boundary is collective.)
+            log.info("not a member of round %d: leaving at the switch", new)
             self.departure.not_in_round = True
             self.world.unregister(int(os.environ.get("LOCAL_RANK", "0")))
         if agreed.everyone_leaves:
@@ -529,9 +530,8 @@ class ElasticSession:
             if leaving:
                 events.emit(events.LiveLeft(step=self.step_count, after="save"))
                 return "left"
-            if not self.in_place:
-                # our agent stops these workers for the next round; if it does not,
-                # the next collective fails and the worker exits for a restart
+            if not self.in_place:  # our agent stops the workers for the next round (else
+                # the next collective fails and the worker exits for a restart)
                 if notice.await_new_round(self.leave_wait_s):
                     events.emit(events.LiveLeft(step=self.step_count, after="restart"))
                     return "left"

@@ -40,12 +40,7 @@ from slurm_elastic import events, notice
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import PeerLostError, ReformTimeoutError, RoundSupersededError
 from slurm_elastic.live import auth, roster
-from slurm_elastic.live.abort import (
-    StallGuard,
-    connected_sockets,
-    connection_lost,
-    tcp_connections,
-)
+from slurm_elastic.live.abort import StallGuard, connected_sockets, connection_lost, tcp_connections
 from slurm_elastic.live.fsdp import ShardedModel
 from slurm_elastic.live.state import ElasticState
 
@@ -146,8 +141,7 @@ class LiveWorld:
         sharding: ShardedModel | None = None,
     ) -> None:
         self.state = state
-        # FSDP2/HSDP (live/fsdp.py) in place of the DDP wrapper, if given
-        self.sharding = sharding
+        self.sharding = sharding  # FSDP2/HSDP (live/fsdp.py) in place of DDP, if given
         self.backend = backend
         self.ddp_kwargs = ddp_kwargs
         self.timeout = timeout
@@ -163,8 +157,9 @@ class LiveWorld:
         self._store: Any = None  # the current group's store (see _join)
         self._group_sockets: frozenset[int] = frozenset()  # this process's, before the group
         self._failed_rounds: set[int] = set()
-        # gloo cannot abort a collective that waits on a silently dead peer; the guard
-        # ends it once the agent assigns a round without that peer (live/abort.py).
+        self.start_phases: dict[str, float] = {}  # open()'s phases in place, in seconds
+        # gloo cannot abort a collective waiting on a silently dead peer: the guard ends
+        # it once the agent assigns a round without that peer (live/abort.py).
         self._guard: StallGuard | None = None
         channel = NodeChannel.from_environ()
         self._channel = channel
@@ -174,9 +169,8 @@ class LiveWorld:
                 int(os.environ.get("LOCAL_RANK", "0")),
                 min_stall_s=stall_abort_s,
             )
-        # The run key seals the round's store (only the run's processes take a seat);
-        # the agent always gives it. Without it (a worker started by hand) values are
-        # plain, as in torch.
+        # The run key seals the round's store (only the run's processes take a seat); the
+        # agent always gives it. Without it (a worker started by hand) values are plain.
         self._run_key = auth.worker_key() if in_place else None
         if in_place and self._run_key is None:
             log.warning(
@@ -239,8 +233,11 @@ class LiveWorld:
         # wait for a save that a join blocked on a lost peer could never make)
         roster.register_worker(channel, first.local_rank, os.getpid(), live=False)
         self._watch = roster.AssignmentWatch(channel, first.local_rank, first.round)
+        t0 = time.monotonic()
         try:
-            self._join(first, self._connect(first))
+            store = self._connect(first)
+            t1 = time.monotonic()
+            self._join(first, store)  # waits for every rank of the round (survivors switch)
         except RoundSupersededError as exc:
             # A newer round came while this worker starts: its agent restarts starting
             # workers for it (they trained nothing). Failing now would be charged to the
@@ -250,7 +247,10 @@ class LiveWorld:
             while time.monotonic() < deadline:
                 time.sleep(0.1)
             raise
-        return self.sync_state()
+        t2 = time.monotonic()
+        from_peer = self.sync_state()
+        self.start_phases = dict(connect_s=t1 - t0, join_s=t2 - t1, state_s=time.monotonic() - t2)
+        return from_peer
 
     def register(self, local_rank: int) -> None:
         """Tell the agent this worker can re-form in place (after the first wrap)."""

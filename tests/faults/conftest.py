@@ -3,8 +3,9 @@
 The matrix (in place, the example's default path) took 9 of the full suite's 33 minutes
 on this 2-core machine. ``SLURM_ELASTIC_FAULTS=0`` skips its Slurm and slow cases for a
 quicker local run; the quick ones still run, and so do the short Slurm cases of
-:data:`DEFAULT_SUITE` (short jobs that end by themselves). The restart-path column of
-docs/reliability.md is ``python bench/fault_matrix.py`` (``FAULTS_PATH=restart``).
+:data:`DEFAULT_SUITE` (short jobs that end by themselves). Four cases of the restart-path column run in every
+suite (``test_array_faults.RESTART_CASES``); the whole column of docs/reliability.md is
+``python bench/fault_matrix.py`` (``FAULTS_PATH=restart``).
 
 Restarting the controller briefly disturbs every other job on the shared test cluster
 (their Slurm commands retry), so it goes after everything else, never in between.

@@ -208,6 +208,8 @@ class FaultRun:
     #: the example paced_train.py runs (train_ddp's command line), and more of its flags
     train_module: str = TRAIN_MODULE
     train_extra: list[str] = field(default_factory=list)
+    #: the membership path of the job (``FAULTS_PATH`` by default)
+    path: str = PATH
     job: str = ""
     extra_jobs: list[str] = field(default_factory=list)
     _round_at: dict[float, int] = field(default_factory=dict, repr=False)
@@ -267,7 +269,7 @@ class FaultRun:
             "state_dir": str(self.state),
             "setup": "export OMP_NUM_THREADS=1",
             "job_name": f"faults-{self.tmp.name}"[:40],
-            **({"env": {"SLURM_ELASTIC_IN_PLACE": "0"}} if PATH == "restart" else {}),
+            **({"env": {"SLURM_ELASTIC_IN_PLACE": "0"}} if self.path == "restart" else {}),
             "partition": "low",
             **FAST,
             "max_restarts": 20,

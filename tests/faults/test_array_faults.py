@@ -10,6 +10,11 @@ task, no sample twice in an epoch so far, the newest checkpoint verifies), *and*
 end invariants (tests/faults/harness.py): the job completed, the last checkpoint verifies, every sample
 was used exactly once per epoch, the final parameters match an uninterrupted run, and
 nothing is left in the queue or the process table.
+
+The restart path (scripts that do not opt in to in-place changes) runs in every suite
+too: ``RESTART_CASES`` on a carrier job of their own (``test_array_fault_restart_path``),
+so a regression of that path fails the suite; ``FAULTS_PATH=restart`` runs every case
+on it (the restart column of docs/reliability.md, ``python bench/fault_matrix.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -71,7 +76,7 @@ def _requeue_task(run: FaultRun, task: int) -> None:
     run.cluster.client.requeue(f"{run.job}_{task}")
 
 
-def _scenario(run: FaultRun, sc: Scenario) -> None:
+def _scenario(run: FaultRun, sc: Scenario, cases: Sequence[str]) -> None:
     cl = run.cluster.client
     t_start = time.time()
     run.submit()
@@ -87,7 +92,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         assert run.events(t0, "agent.restart"), "no agent.restart event after the kill"
         resumed = [e["step"] for e in run.events(t0, "train.start")]
         assert min(resumed) > 0, "resumed from scratch, not from a checkpoint or a peer"
-        if PATH == "in-place":
+        if run.path == "in-place":
             assert run.events(t0, "live.reformed"), "the survivors did not re-form in place"
 
     def kill_during_checkpoint_write() -> None:
@@ -198,7 +203,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         print(f"frozen node: the survivors trained at {TASKS - 1} {took:.2f} s after the stop")
         evicted = run.events(t0, "rendezvous.evicted")
         assert evicted and {e["cause"] for e in evicted} == {"heartbeat"}, evicted
-        if PATH == "in-place":  # the bound is the in-place path's (the restart path first
+        if run.path == "in-place":  # the bound is the in-place path's (the restart path first
             # gives the blocked workers the notice and waits shutdown_timeout_s for them)
             assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
             assert run.events(t0, "live.collective_aborted"), "no blocked collective aborted"
@@ -236,7 +241,7 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         print(f"partitioned node: the survivors trained at {TASKS - 1} {took:.2f} s after the cut")
         evicted = run.events(t0, "rendezvous.evicted")
         assert evicted and {e["cause"] for e in evicted} == {"unreachable"}, evicted
-        if PATH == "in-place":
+        if run.path == "in-place":
             assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
         _recovered(run, t0, "a partitioned node, its link back")
 
@@ -311,23 +316,23 @@ def _scenario(run: FaultRun, sc: Scenario) -> None:
         ("scancel_task", scancel_task),
         ("scontrol_missing_slurm_requeues", scontrol_missing),
     ]:
-        sc.run(name, body, after=run.check_interim)
+        if name in cases:
+            sc.run(name, body, after=run.check_interim)
 
     infos = run.finish()
     states = {i.array_task_id: i.state for i in infos}
     expected = {str(t): JobState.COMPLETED for t in range(TASKS)}
-    if sc.outcomes.get("scancel_task") is None:
+    if "scancel_task" in sc.outcomes and sc.outcomes["scancel_task"] is None:
         expected["0"] = JobState.CANCELLED
     assert states == expected, f"{states}\n{run.logs()}"
 
 
-@pytest.fixture(scope="module")
-def array_run(
-    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+def _array_run(
+    slurm_cluster: SlurmCluster, tmp: Path, path: str, cases: Sequence[str]
 ) -> Iterator[Scenario]:
+    """Submit one carrier job on ``path``, run ``cases`` on it in order, check its end."""
     if slurm_cluster.mode != "netns":
         pytest.skip(reason=f"needs the cluster in netns mode, it runs in {slurm_cluster.mode!r}")
-    tmp = tmp_path_factory.mktemp("array")
     no_slurm = f'[ "$SLURM_ARRAY_TASK_ID" = {NO_SCONTROL_TASK} ] && export PATH=/nonexistent'
     run = FaultRun(
         slurm_cluster,
@@ -339,11 +344,12 @@ def array_run(
             "cpus_per_task": 1,
             "setup": f"export OMP_NUM_THREADS=1\n{no_slurm}",
         },
+        path=path,
     )
     sc = Scenario()
     try:
         try:
-            _scenario(run, sc)
+            _scenario(run, sc, cases)
         except Exception as exc:
             sc.end_error = f"{type(exc).__name__}: {exc}"
         else:
@@ -354,6 +360,23 @@ def array_run(
         yield sc
     finally:
         run.cleanup()
+
+
+@pytest.fixture(scope="module")
+def array_run(
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Scenario]:
+    yield from _array_run(slurm_cluster, tmp_path_factory.mktemp("array"), PATH, CASES)
+
+
+@pytest.fixture(scope="module")
+def restart_array_run(
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Scenario]:
+    if PATH == "restart":
+        pytest.skip(reason="FAULTS_PATH=restart: the whole matrix runs on the restart path")
+    tmp = tmp_path_factory.mktemp("array-restart")
+    yield from _array_run(slurm_cluster, tmp, "restart", RESTART_CASES)
 
 
 CASES = [
@@ -374,6 +397,18 @@ CASES = [
 ]
 
 
+#: The restart-path column's cases that every suite runs (the path of scripts that do not
+#: opt in to in-place changes: every change restarts all workers from a checkpoint): a
+#: lost worker, a notice, a lost agent and a silent loss, on a carrier job of their own.
+#: The whole column: ``FAULTS_PATH=restart`` (``python bench/fault_matrix.py``).
+RESTART_CASES = ["worker_sigkill", "usr2_preemption", "agent_sigkill", "frozen_node"]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_array_fault(array_run: Scenario, case: str) -> None:
     array_run.check(case)
+
+
+@pytest.mark.parametrize("case", RESTART_CASES)
+def test_array_fault_restart_path(restart_array_run: Scenario, case: str) -> None:
+    restart_array_run.check(case)

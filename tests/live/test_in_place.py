@@ -76,6 +76,13 @@ def test_join_in_place_keeps_workers_and_loses_no_step(
     assert "agent.reformed_in_place" in kinds and "live.reformed" in kinds
     newcomers = [e for e in events(tmp_path, "join1") if e["kind"] == "live.start"]
     assert {e["resumed_from"] for e in newcomers if e["world_size"] == 4} == {"peer"}
+    # where each start's time went (live.start's phases_s): in place every start joins
+    # its round's store and group; only a start that got no commit from a peer resumes
+    for e in newcomers:
+        peer = e["resumed_from"] == "peer"
+        expected = {"connect_s", "join_s", "state_s", "wrap_s"} | (set() if peer else {"resume_s"})
+        assert set(e["phases_s"]) == expected, e
+        assert all(0 <= v < 60 for v in e["phases_s"].values()), e
 
 
 def test_graceful_leave_in_place_keeps_survivors(tmp_path: Path, nodes: list[LiveRun]) -> None:
