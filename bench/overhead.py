@@ -107,10 +107,13 @@ class Launch:
     workers: int = 2
     launcher: str = "agent"
     width: int = 2048
+    vote_interval: float | None = None
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device": self.device, "workers": self.workers,
                                 "launcher": self.launcher, "width": self.width}  # fmt: skip
+        if self.vote_interval is not None:
+            info["vote_interval_s"] = self.vote_interval
         if self.device == "cuda":
             import torch
 
@@ -147,6 +150,8 @@ def run_once(
         *launcher, str(WORKER), mode, str(out), "--steps", str(steps), "--global-batch",
         str(batch), "--device", LAUNCH.device, "--width", str(LAUNCH.width), *extra,
     ]  # fmt: skip
+    if LAUNCH.vote_interval is not None:
+        argv += ["--vote-interval", str(LAUNCH.vote_interval)]
     with open(out / "agent.log", "wb") as log:
         try:
             proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -375,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode: the same step boundary and vote, no in-place readiness check)",
     )
     ap.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
+    ap.add_argument("--vote-interval", type=float, default=None,
+                    help="the session's vote_interval_s (default: its default)")  # fmt: skip
     args = ap.parse_args(argv)
     workers = args.workers
     if workers is None and args.device == "cuda":
@@ -385,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--device cuda: no CUDA device here")
     LAUNCH.device, LAUNCH.workers = args.device, workers or 2
     LAUNCH.launcher, LAUNCH.width = args.launcher, args.width
+    LAUNCH.vote_interval = args.vote_interval
     if "copies" in args.models and LAUNCH.workers < 2:
         ap.error(f"--models={args.models!r}: neighbour copies need 2 workers, "
                  f"not {LAUNCH.workers} (drop copies)")  # fmt: skip

@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --copy-every: wait for each copy at its boundary (as a synchronous copy)",
     )  # fmt: skip
     p.add_argument(
+        "--vote-interval", type=float, default=None,
+        help="the session's vote_interval_s (default: the session's default)",
+    )  # fmt: skip
+    p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",
         help="cuda: the model and data on cuda:LOCAL_RANK, NCCL (one rank per GPU)",
     )  # fmt: skip
@@ -82,6 +86,10 @@ def init_plain(args: argparse.Namespace) -> None:
         dist.init_process_group("nccl", device_id=device_of(args))
     else:
         dist.init_process_group("gloo")
+
+
+def vote_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {} if args.vote_interval is None else {"vote_interval_s": args.vote_interval}
 
 
 def ddp_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,6 +184,7 @@ def run_session(args: argparse.Namespace, marks: Marks) -> int:
     session = ElasticSession(
         model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed,
         fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
+        **vote_options(args),
     )  # fmt: skip
     while not session.finished(steps=args.steps):
         for _ in session.batches():
@@ -199,6 +208,7 @@ def run_loop(args: argparse.Namespace, marks: Marks) -> int:
     loop = ElasticLoop(
         model, opt, dataset_size=len(x), global_batch_size=args.global_batch,
         fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
+        **vote_options(args),
     )  # fmt: skip
 
     def one(step: Any) -> None:
@@ -229,6 +239,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     session = ElasticSession(
         model, opt, dataset_size=len(x), global_batch_size=args.global_batch, seed=args.seed,
         fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
+        **vote_options(args),
     )  # fmt: skip
     session.start()
     if args.fsdp:

@@ -79,6 +79,7 @@ NOTICE = "notice"
 PROGRESS = "progress"
 WORKER_PREFIX = "worker."
 ASSIGN_PREFIX = "assign."
+CLOSED_PREFIX = "closed."
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class NodeChannel:
         """The agent's newest assignment for worker ``local_rank``."""
         return self.directory / f"{ASSIGN_PREFIX}{local_rank}"
 
+    def closed(self, local_rank: int) -> Path:
+        """Worker ``local_rank``'s mark that it finished and closed its session."""
+        return self.directory / f"{CLOSED_PREFIX}{local_rank}"
+
     def registrations(self) -> list[Path]:
         """The registration files present (any name ``worker.*``: the reader checks it)."""
         try:
@@ -128,7 +133,7 @@ class NodeChannel:
 
     def clear(self) -> None:
         """Remove every message (before workers are (re)started): notice, progress,
-        registrations, assignments and stale temporary files. Something that cannot be
+        registrations, assignments, closed marks and stale temporary files. Something that cannot be
         unlinked at a message's name (a planted directory) is left with a warning."""
         try:
             entries = list(self.directory.iterdir())
@@ -136,7 +141,8 @@ class NodeChannel:
             return
         for path in entries:
             name = path.name
-            if name in (NOTICE, PROGRESS) or name.startswith((WORKER_PREFIX, ASSIGN_PREFIX, ".")):
+            prefixes = (WORKER_PREFIX, ASSIGN_PREFIX, CLOSED_PREFIX, ".")
+            if name in (NOTICE, PROGRESS) or name.startswith(prefixes):
                 remove_node_file(path)
 
 

@@ -272,7 +272,9 @@ def preemption_agreed(device: Any = None, group: Any = None) -> tuple[bool, bool
     return bool(flag.item()), local
 
 
-def await_new_round(timeout_s: float = 60.0, poll_s: float = 0.1) -> bool:
+def await_new_round(
+    timeout_s: float = 60.0, poll_s: float = 0.1, *, parent_pid: int | None = None
+) -> bool:
     """After a peer's preemption save, idle until the agent stops these workers.
 
     The departing node's agent leaves the rendezvous; this node's agent then starts a new
@@ -283,17 +285,21 @@ def await_new_round(timeout_s: float = 60.0, poll_s: float = 0.1) -> bool:
         timeout_s: give up waiting after this long (the caller then goes on; a failing
             collective tells the agent instead).
         poll_s: how often to look for this node's own notice.
+        parent_pid: the agent that started this worker: once it is gone (SIGKILL does not
+            take its workers along) no agent will stop this worker, and a step it started
+            would run long after its peers moved on: stop waiting, the caller exits.
 
     Returns:
-        True if this node got its own notice meanwhile (the caller should exit: the
-        checkpoint is current), False after ``timeout_s``.
+        True if this node got its own notice meanwhile, or its agent is gone (the caller
+        should exit: the checkpoint is current), False after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
+    orphaned = lambda: parent_pid is not None and os.getppid() != parent_pid  # noqa: E731
     while time.monotonic() < deadline:
-        if preemption_requested():
+        if preemption_requested() or orphaned():
             return True
         time.sleep(poll_s)
-    return preemption_requested()
+    return preemption_requested() or orphaned()
 
 
 # ---------------------------------------------------------------------------------------

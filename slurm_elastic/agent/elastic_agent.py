@@ -274,6 +274,10 @@ class SlurmElasticAgent(LocalElasticAgent):
             # FAILED, not UNHEALTHY: torch reports an UNHEALTHY result as not failed.
             result = RunResult(state=WorkerState.FAILED)
             state = result.state
+        if state == WorkerState.FAILED and not local_hang and self._closed_before_exit(result):
+            done = {w.global_rank: None for w in worker_group.workers}  # torch reads each
+            result = RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+            state = result.state
         if state == WorkerState.FAILED:
             if not local_hang and self._membership_changes_within(self._membership_grace_s):
                 # A peer left, died or joined: the survivors' collectives failed through
@@ -292,6 +296,27 @@ class SlurmElasticAgent(LocalElasticAgent):
             events.emit(events.WorkersSucceeded())
         self._last_state = state
         return result
+
+    def _closed_before_exit(self, result: RunResult) -> bool:
+        """Every local worker finished and closed its session (its ``closed`` mark holds
+        its pid), and the failures are deaths by a signal: torch's gloo teardown aborting
+        an interpreter's exit now and then (SIGABRT; a group still referenced when the
+        interpreter exits), and torch stopping the other workers after it (SIGTERM).
+        Nothing of the training is lost: it finished; count the workers as finished."""
+        pids = {w.local_rank: w.id for w in self._worker_group.workers}
+        codes = [f.exitcode for f in result.failures.values()]
+        if not pids or not codes or any(code >= 0 for code in codes):
+            return False
+        if any(roster.closed_pid(self._channel, r) != pid for r, pid in pids.items()):
+            return False
+        log.warning(
+            "every worker finished and closed its session, then %s died of a signal while "
+            "its interpreter exited (exit codes %s: torch's gloo teardown aborts now and "
+            "then): counted as finished",
+            sorted(f.pid for f in result.failures.values()),
+            codes,
+        )
+        return True
 
     def _membership_changes_within(self, seconds: float) -> bool:
         handler = self._worker_group.spec.rdzv_handler

@@ -61,6 +61,8 @@ class Departure:
         #: this node has no place in the newest round
         self.not_in_round = False
         self._agent_pid = os.getppid() if in_place else None
+        #: the process that started this worker (its agent), on both paths
+        self.parent_pid = os.getppid()
         self._orphaned = False
 
     def leaving_here(self) -> bool:
@@ -121,9 +123,11 @@ class Cadence:
         self._last = now
         return self._round != round_ or step >= self._next
 
-    def proposal(self) -> int:
-        """Steps until the next vote, as this rank's step times have it."""
-        if self.interval_s <= 0 or not self._step_s:
+    def proposal(self, urgent: bool = False) -> int:
+        """Steps until the next vote, as this rank's step times have it; 1 when
+        ``urgent`` (a change under way here: a notice, a leave seen, a new round this
+        rank waits for), so a change, once seen at a vote, is not held up by the cadence."""
+        if urgent or self.interval_s <= 0 or not self._step_s:
             return 1
         return max(1, min(MAX_STEPS_BETWEEN_VOTES, round(self.interval_s / self._step_s)))
 

@@ -1,6 +1,6 @@
 """The in-place messages of the node channel: registrations and assignments (torch-free).
 
-Two messages of the node channel (:mod:`slurm_elastic.channel`, which owns the
+Three messages of the node channel (:mod:`slurm_elastic.channel`, which owns the
 directory, lists every message and clears them), each a small JSON file written
 atomically (temporary file + ``rename``):
 
@@ -15,6 +15,9 @@ atomically (temporary file + ``rename``):
   the workers kept training (:func:`write_assignment`): the worker's new rank, world
   size, and the round's store address (:class:`Assignment`). A worker reads it at step
   boundaries through an :class:`AssignmentWatch` (one ``stat`` per poll).
+* ``closed.<local_rank>``: written by a worker whose session finished and closed
+  (:func:`mark_closed`): ``{"pid": ...}``. Only its interpreter's exit remains, which
+  torch's gloo teardown aborts now and then; the agent counts such a worker as finished.
 
 The round a worker was started in reaches it through ``$SLURM_ELASTIC_ROUND``; an
 assignment for the same or an older round is stale and ignored. ``$SLURM_ELASTIC_IN_PLACE``
@@ -262,6 +265,26 @@ def registered_workers(channel: NodeChannel, *, live: bool = True) -> dict[int, 
         if data["live"] is live:
             found[int(suffix)] = pid
     return found
+
+
+def mark_closed(channel: NodeChannel, local_rank: int, pid: int) -> None:
+    """Worker ``local_rank`` (process ``pid``) finished: its session closed and left its
+    process group; only its interpreter's exit remains (:func:`closed_pid`)."""
+    _write_json(channel.closed(local_rank), {"pid": pid})
+
+
+def closed_pid(channel: NodeChannel, local_rank: int) -> int | None:
+    """The pid in worker ``local_rank``'s closed mark; ``None`` if absent or malformed
+    (with a warning)."""
+    path = channel.closed(local_rank)
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    try:
+        return None if data is None else _int_field(data, "pid", 1, _MAX_PID)
+    except (KeyError, ValueError) as exc:
+        warn_ignored(log, path, f"malformed closed mark: {exc}")
+        return None
 
 
 def write_assignment(channel: NodeChannel, assignment: Assignment) -> None:

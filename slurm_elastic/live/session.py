@@ -21,7 +21,7 @@ number of other objects with ``state_dict``/``load_state_dict`` (a second optimi
                 break
         if session.left:
             break
-    session.finish()   # the final checkpoint (collective), unless this node left
+    session.finish(); session.close()   # the final checkpoint unless this node left
 
 :meth:`batches` is the loader's batch sampler: this rank's share of each global batch,
 from the current position, for the current world; a world change ends the loop over
@@ -33,9 +33,8 @@ ElasticLoop` is this session driven by a step function.
 **At step boundaries** (the end of a ``with session.step():`` block), about every
 ``vote_interval_s`` of training and at the first boundary of every round, the ranks vote
 with one collective and act alike on the outcome: go on (commit, maybe checkpoint),
-switch to a new round in place, leave, or save together for the restart path
-(:mod:`~slurm_elastic.live.boundary`). Every vote fixes the step of the next, so the
-boundaries in between cost no synchronisation.
+switch to a new round in place, leave, or save together for the restart path; each vote
+fixes the step of the next, so the boundaries between cost nothing (:mod:`.boundary`).
 
 **A failed collective** inside the block or at the boundary (a peer was SIGKILLed or its
 node is gone) makes the survivors roll back to their last commit (every registered
@@ -43,9 +42,8 @@ object), wait for the agent's next assignment and re-form the same way; the bloc
 exception is swallowed and ``interrupted`` is set; only the steps since the last commit
 are redone. With no assignment within ``reform_timeout_s`` the error is raised.
 
-NCCL: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (abort the communicator, keep
-the process) so that a failed collective raises instead of ending the process. Not
-verified on a GPU here.
+NCCL: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (abort the communicator, keep the
+process): a failed collective raises (abort and re-init checked on one GPU, no peer loss).
 """
 
 from __future__ import annotations
@@ -77,8 +75,7 @@ __all__ = ["ElasticSession", "StepInfo"]
 
 log = logging.getLogger(__name__)
 
-# Rank 0 reports progress (a train.progress event) every this many steps.
-_PROGRESS_EVERY = 10
+_PROGRESS_EVERY = 10  # rank 0 reports progress (a train.progress event) every N steps
 
 
 class ElasticSession:
@@ -478,10 +475,12 @@ class ElasticSession:
         self.save(blocking=True)
         events.emit(events.LiveDone(step=self.step_count, rank=self.rank))
         events.emit(events.TrainDone(step=self.step_count, rank=self.rank))
+        self.world.finished = True
         return "done"
 
     def close(self) -> None:
-        """Flush checkpoints and leave the process group."""
+        """Flush checkpoints and leave the process group (after :meth:`finish`: its agent
+        counts this worker as finished even if torch aborts the interpreter's exit)."""
         if self.checkpoint is not None:
             self.checkpoint.flush()
         self.world.close()
@@ -499,7 +498,9 @@ class ElasticSession:
             give_up = self.departure.waited_too_long()
         else:
             ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
-        agreed = vote(leaving, ready, give_up, self.world.device(), self.cadence.proposal())
+        waiting = self.departure.seen_at is not None or self.world.pending_round() is not None
+        urgent = leaving or waiting  # vote again at the next boundary: a change is under way
+        agreed = vote(leaving, ready, give_up, self.world.device(), self.cadence.proposal(urgent))
         self.cadence.agreed(self.step_count, self.world.round, agreed.next_in)
         if agreed.any_leave:
             self.departure.saw_leave()
@@ -530,9 +531,8 @@ class ElasticSession:
             if leaving:
                 events.emit(events.LiveLeft(step=self.step_count, after="save"))
                 return "left"
-            if not self.in_place:  # our agent stops the workers for the next round (else
-                # the next collective fails and the worker exits for a restart)
-                if notice.await_new_round(self.leave_wait_s):
+            if not self.in_place:  # the agent stops us for the next round (or a collective fails)
+                if notice.await_new_round(self.leave_wait_s, parent_pid=self.departure.parent_pid):
                     events.emit(events.LiveLeft(step=self.step_count, after="restart"))
                     return "left"
                 return None

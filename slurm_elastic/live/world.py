@@ -7,8 +7,7 @@ channel (:class:`~slurm_elastic.live.roster.AssignmentWatch`):
 
 * :meth:`LiveWorld.open`: the first group (in place: from the assignment in the
   environment, taking the newest commit of a live peer; else torch's ``env://``);
-* :meth:`LiveWorld.ready_round`: whether a pending assignment's round is ready (every
-  rank announced ``ready/<rank>`` in the round's store);
+* :meth:`LiveWorld.ready_round`: whether every rank of a pending round announced itself;
 * :meth:`LiveWorld.switch`: a graceful change at a step boundary (commit, tear down in
   the safe order, init on a fresh store prefix, newest commit from a survivor, new DDP);
 * :meth:`LiveWorld.recover`: after a failed collective (roll back, wait for the next
@@ -149,8 +148,8 @@ class LiveWorld:
         self.in_place = in_place
         self.round = int(os.environ.get(roster.ROUND_ENV, "0"))
         self.dirty = False
-        #: the step of the newest checkpoint this rank saved or resumed from (-1: none)
-        self.saved_step = -1
+        self.finished = False  # training ended (session.finish): close() marks it closed
+        self.saved_step = -1  # the newest checkpoint's step this rank saved/resumed (-1: none)
         self._ddp: nn.Module | None = None
         self._watch: roster.AssignmentWatch | None = None
         self._pending: _Pending | None = None
@@ -304,12 +303,10 @@ class LiveWorld:
     def _connect(self, a: roster.Assignment) -> Any:
         """Connect to round ``a``'s store and announce this rank ready in it.
 
-        The connect is tried in slices of :data:`_CONNECT_SLICE_S` within a budget of
-        :data:`_CONNECT_BUDGET_S`: between slices a newer assignment supersedes ``a``
-        (:class:`RoundSupersededError`). A worker that comes back from a freeze finds the
-        rounds it missed gone; torch retries a refused connect until its timeout, so
-        each stale round would otherwise cost the whole budget while its peers wait for
-        it in the newest round (the storm of ``bench/goodput.py``, docs/live.md).
+        Tried in slices of :data:`_CONNECT_SLICE_S` within :data:`_CONNECT_BUDGET_S`;
+        between slices a newer assignment supersedes ``a`` (:class:`RoundSupersededError`):
+        a worker back from a freeze finds the rounds it missed gone, and torch retries a
+        refused connect until its timeout (the storm of ``bench/goodput.py``, live.md).
         """
         budget_end = time.monotonic() + min(_CONNECT_BUDGET_S, self.timeout.total_seconds())
         while True:
@@ -412,10 +409,13 @@ class LiveWorld:
             self._guard.beat()
 
     def close(self) -> None:
-        """Leave the group and stop the stall guard's thread."""
+        """Leave the group and stop the stall guard's thread; after a finished training,
+        tell the agent only this interpreter's exit remains (:func:`roster.mark_closed`)."""
         self.teardown()
         if self._guard is not None:
             self._guard.close()
+        if self.finished and self._channel is not None:
+            roster.mark_closed(self._channel, int(os.environ.get("LOCAL_RANK", "0")), os.getpid())
 
     def wrap(self) -> None:
         """Wrap the model in a new DDP for the current group (broadcasts from rank 0), or

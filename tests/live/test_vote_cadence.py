@@ -61,6 +61,25 @@ def test_slower_steps_vote_more_often_and_zero_means_every_boundary() -> None:
     assert _boundaries(every, clock, 1, 10, round_=1, step_s=0.001) == list(range(1, 11))
 
 
+def test_a_change_under_way_votes_at_every_boundary_until_it_is_done() -> None:
+    # A rank that waits for a new round (or has notice) proposes 1: the shortest
+    # proposal wins, so every rank votes at the next boundary, and again, until the
+    # change is done; then the cadence is back.
+    clock = FakeClock()
+    c = Cadence(1.0, clock=clock)
+    _boundaries(c, clock, 1, 20, round_=1, step_s=0.1)
+    assert c.proposal() == 10 and c.proposal(urgent=True) == 1
+    urgent_votes = []
+    for step in range(21, 60):
+        clock.now += 0.1
+        if c.due(step, 1):
+            urgent_votes.append(step)
+            c.agreed(step, 1, c.proposal(urgent=step < 40))
+    assert [s for s in urgent_votes if s <= 40] == [*range(urgent_votes[0], 41)]
+    assert urgent_votes[0] <= 30  # the vote the cadence had already fixed
+    assert [s for s in urgent_votes if s > 40] == [50], urgent_votes  # 10 steps: 1.0 s
+
+
 def test_a_very_short_step_is_capped() -> None:
     clock = FakeClock()
     c = Cadence(10.0, clock=clock)

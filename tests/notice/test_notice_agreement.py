@@ -94,3 +94,39 @@ def test_await_new_round_gives_up_after_its_timeout(tmp_path: Path) -> None:
         check=True,
     ).stdout.split()
     assert out[0] == "False" and float(out[1]) >= 0.3
+
+
+ORPHAN = r"""
+import os, sys, time
+from pathlib import Path
+
+from slurm_elastic import notice
+ready, out = Path(sys.argv[1]), Path(sys.argv[2])
+parent = os.getppid()
+ready.write_text("ready")
+start = time.monotonic()
+got = notice.await_new_round(60, poll_s=0.02, parent_pid=parent)
+out.write_text(f"{got} {time.monotonic() - start:.2f}")
+"""
+MIDDLE = r"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+time.sleep(600)
+"""
+
+
+def test_await_new_round_stops_waiting_when_its_agent_is_gone(tmp_path: Path) -> None:
+    # A SIGKILLed agent leaves its worker behind; no agent will stop it, so waiting out
+    # the timeout would only let it start a step long after its peers moved on.
+    ready, out = tmp_path / "ready", tmp_path / "out"
+    env = {**os.environ, NODE_DIR_ENV: str(tmp_path / "never")}
+    agent = subprocess.Popen([sys.executable, "-c", MIDDLE, ORPHAN, str(ready), str(out)], env=env)
+    try:
+        wait_for(ready.exists, 60, "the worker to start waiting")
+        agent.kill()
+        agent.wait(30)
+        text = wait_for(lambda: out.exists() and out.read_text(), 30, "the worker to stop waiting")
+    finally:
+        agent.kill()
+    got, waited = text.split()
+    assert got == "True" and float(waited) < 30, text
