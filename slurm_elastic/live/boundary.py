@@ -60,9 +60,9 @@ class Departure:
         self.seen_at: float | None = None
         #: this node has no place in the newest round
         self.not_in_round = False
-        self._agent_pid = os.getppid() if in_place else None
         #: the process that started this worker (its agent), on both paths
         self.parent_pid = os.getppid()
+        self._agent_pid = self.parent_pid if in_place else None  # in place: leave if gone
         self._orphaned = False
 
     def leaving_here(self) -> bool:
