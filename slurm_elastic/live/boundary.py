@@ -1,5 +1,8 @@
 """The step-boundary vote: how the ranks agree, at the end of a step, on what next.
 
+The vote is cast at the entry of the step whose boundary reads it (:func:`start_vote`):
+its collective runs while the step computes.
+
 **At the step boundaries that vote** (:class:`Cadence`: the first of each round, then
 about every ``vote_interval_s`` of training; each vote fixes the step of the next) the
 ranks agree with one ``all_reduce`` (MAX over six integers): does any rank's node leave,
@@ -29,13 +32,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from slurm_elastic import notice
 
-__all__ = ["Agreement", "Cadence", "Departure", "vote"]
+__all__ = ["Agreement", "Ballot", "Cadence", "Departure", "cast_vote", "start_vote", "vote"]
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +172,55 @@ class Agreement:
         return self.ready_max > 0 and self.ready_min == self.ready_max
 
 
-def vote(
+@dataclass
+class Ballot:
+    """This rank's vote for a step's boundary, started at the step's entry.
+
+    The vote's ``all_reduce`` runs while the step computes: by the boundary the slower
+    rank has long cast its own, so the boundary does not wait for the ranks' skew (plain
+    DDP pays that skew once, in its gradient all-reduce; a vote taken at the boundary was
+    a second synchronisation per voting step). It carries what this rank knew at the
+    step's entry; a change seen during the step is voted on at the next vote.
+
+    Attributes:
+        leaving: this rank voted to leave (what it acts on at the boundary).
+    """
+
+    leaving: bool
+    flags: torch.Tensor | None
+    work: Any
+    #: what casting the vote raised: raised at the boundary, where failures are handled
+    error: Exception | None = None
+
+    def result(self) -> Agreement:
+        """Wait for the vote (usually done already) and return what the ranks agree on.
+
+        Raises:
+            Exception: what casting it raised (a peer failure, typically).
+        """
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        assert self.flags is not None
+        self.work.wait()
+        any_leave, any_stay, ready_max, neg_min, gave_up, neg_next = (
+            int(v) for v in self.flags.tolist()
+        )
+        return Agreement(
+            any_leave=bool(any_leave),
+            any_stay=bool(any_stay),
+            ready_max=ready_max,
+            ready_min=-neg_min,
+            gave_up=bool(gave_up),
+            next_in=-neg_next,
+        )
+
+
+def start_vote(
     leaving: bool, ready: int, give_up: bool, device: torch.device, next_in: int = 1
-) -> Agreement:
-    """Collective: this rank's vote, and what the ranks agree on.
+) -> Ballot:
+    """Collective (started, not waited for): this rank's vote; :meth:`Ballot.result` is
+    what the ranks agree on. Every rank starts it at the same point of the same step.
 
     Args:
         leaving: this rank's node leaves.
@@ -193,13 +242,39 @@ def vote(
         dtype=torch.int64,
         device=device,
     )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    any_leave, any_stay, ready_max, neg_min, gave_up, neg_next = (int(v) for v in flags.tolist())
-    return Agreement(
-        any_leave=bool(any_leave),
-        any_stay=bool(any_stay),
-        ready_max=ready_max,
-        ready_min=-neg_min,
-        gave_up=bool(gave_up),
-        next_in=-neg_next,
-    )
+    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+    return Ballot(leaving=leaving, flags=flags, work=work)
+
+
+def vote(
+    leaving: bool, ready: int, give_up: bool, device: torch.device, next_in: int = 1
+) -> Agreement:
+    """Collective: this rank's vote, and what the ranks agree on (:func:`start_vote`,
+    waited for at once)."""
+    return start_vote(leaving, ready, give_up, device, next_in).result()
+
+
+def cast_vote(
+    step: int, in_place: bool, departure: Departure, cadence: Cadence, world: Any
+) -> Ballot | None:
+    """At the entry of ``step``: the vote of its boundary, started (collective; see
+    :class:`Ballot`), or None where that boundary does not vote. Raises nothing: what
+    casting it raised, the ballot raises at the boundary (a step must run once entered).
+
+    ``world``: the session's :class:`~slurm_elastic.live.world.LiveWorld` (its round, the
+    pending and ready rounds, the collective's device).
+    """
+    if not cadence.due(step, world.round):
+        return None
+    leaving = departure.leaving_here()
+    try:
+        if in_place:
+            ready = 0 if leaving else world.ready_round()
+            give_up = departure.waited_too_long()
+        else:
+            ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
+        waiting = departure.seen_at is not None or world.pending_round() is not None
+        urgent = leaving or waiting  # vote again at the next boundary: a change is under way
+        return start_vote(leaving, ready, give_up, world.device(), cadence.proposal(urgent))
+    except Exception as exc:  # the step still runs; its boundary raises it
+        return Ballot(leaving=leaving, flags=None, work=None, error=exc)

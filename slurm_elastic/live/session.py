@@ -63,7 +63,7 @@ from slurm_elastic import events, notice
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.live import roster
-from slurm_elastic.live.boundary import Cadence, Departure, vote
+from slurm_elastic.live.boundary import Ballot, Cadence, Departure, cast_vote
 from slurm_elastic.live.checkpointing import resume_latest, to_bundle
 from slurm_elastic.live.fsdp import FSDPConfig, ShardedModel, sharded_parts
 from slurm_elastic.live.position import DataPosition, StepInfo
@@ -408,10 +408,14 @@ class ElasticSession:
         failure: str | None = None
         self._stepped = advanced = False
         try:
+            # this step's boundary vote, cast now (its collective runs during the step)
+            ballot = cast_vote(
+                self.step_count + 1, self.in_place, self.departure, self.cadence, self.world
+            )
             yield info
             self._advance(stop, on_epoch_end)
             advanced = True
-            outcome = self._boundary()
+            outcome = self._boundary(ballot)
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
@@ -424,6 +428,7 @@ class ElasticSession:
                 self._advance(stop, None)
         # Outside the except block: its traceback would keep the broken group alive.
         if failure is not None:
+            ballot = None  # its collective's handle: the broken group goes with it
             self.interrupted = True
             if self.departure.leaving_here():
                 events.emit(events.LiveLeft(step=self.step_count, after="failure"))
@@ -487,20 +492,12 @@ class ElasticSession:
 
     # -- the agreement ------------------------------------------------------------------------
 
-    def _boundary(self) -> str | None:
+    def _boundary(self, ballot: Ballot | None) -> str | None:
         """The step boundary: ``None`` (go on), ``"switched"`` or ``"left"``."""
-        if not self.cadence.due(self.step_count, self.world.round):
+        if ballot is None:
             self._periodic()
             return None
-        leaving = self.departure.leaving_here()
-        if self.in_place:
-            ready = 0 if leaving else self.world.ready_round()
-            give_up = self.departure.waited_too_long()
-        else:
-            ready, give_up = 0, leaving  # restart path: a notice stops everyone at once
-        waiting = self.departure.seen_at is not None or self.world.pending_round() is not None
-        urgent = leaving or waiting  # vote again at the next boundary: a change is under way
-        agreed = vote(leaving, ready, give_up, self.world.device(), self.cadence.proposal(urgent))
+        agreed, leaving = ballot.result(), ballot.leaving
         self.cadence.agreed(self.step_count, self.world.round, agreed.next_in)
         if agreed.any_leave:
             self.departure.saw_leave()

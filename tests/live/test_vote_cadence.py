@@ -8,13 +8,21 @@ import itertools
 import multiprocessing as mp
 import os
 import socket
+import time
 from contextlib import closing
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from slurm_elastic.live.boundary import MAX_STEPS_BETWEEN_VOTES, Cadence, vote
+from slurm_elastic.live.boundary import (
+    MAX_STEPS_BETWEEN_VOTES,
+    Cadence,
+    Departure,
+    cast_vote,
+    start_vote,
+    vote,
+)
 
 
 class FakeClock:
@@ -127,3 +135,67 @@ def test_two_ranks_that_time_their_steps_differently_vote_on_the_same_boundaries
     assert got[0] == got[1]  # a mismatch would have hung a rank in the collective
     # The slower rank's proposal (0.25 s / 0.05 s = 5 steps) wins, not rank 0's 25.
     assert {n for _, n in got[0][2:]} == {5}, got[0]
+
+
+def _skewed_rank(rank: int, port: int, out: mp.Queue) -> None:
+    """Rank 1's step takes 1 s, rank 0's 0.2 s (their compute, slept: the seam here is
+    the step's length, not what fills it). How long rank 0 waits for the vote at its
+    boundary, with the vote cast at the step's entry and at its end."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    step_s = 1.0 if rank else 0.2
+    cpu = torch.device("cpu")
+    try:
+        dist.barrier()
+        ballot = start_vote(rank == 1, 0, False, cpu)  # at the step's entry
+        time.sleep(step_s)
+        t0 = time.perf_counter()
+        at_entry = ballot.result()
+        waited_entry = time.perf_counter() - t0
+        dist.barrier()
+        time.sleep(step_s)
+        t0 = time.perf_counter()
+        at_end = vote(rank == 1, 0, False, cpu)  # cast at the boundary itself
+        waited_end = time.perf_counter() - t0
+        out.put((rank, at_entry, at_end, waited_entry, waited_end))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_vote_cast_at_the_steps_entry_does_not_wait_for_the_slower_rank() -> None:
+    # Plain DDP pays the ranks' skew once, in its gradient all-reduce; a vote taken at
+    # the boundary paid it a second time. Cast at the entry, its collective is done by
+    # the boundary: the faster rank does not wait there for the slower one's step.
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_skewed_rank, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = {r[0]: r[1:] for r in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    (entry0, end0, waited_entry, waited_end), (entry1, end1, _, _) = got[0], got[1]
+    assert entry0 == entry1 == end0 == end1  # the same agreement on both ranks
+    assert entry0.any_leave and entry0.any_stay  # rank 1 leaves, rank 0 stays
+    assert waited_end >= 0.7, waited_end  # at the boundary: the 0.8-s skew
+    assert waited_entry < 0.4, waited_entry  # cast at the entry: done by the boundary
+
+
+def test_what_casting_a_vote_raised_is_raised_at_the_boundary() -> None:
+    class BrokenWorld:
+        """The seam: a world whose next round's store is unreachable (no group needed:
+        the vote is never started)."""
+
+        round = 1
+
+        def ready_round(self) -> int:
+            raise ConnectionError("round 2's store is gone")
+
+    ballot = cast_vote(1, True, Departure(True, 60.0), Cadence(0.0), BrokenWorld())
+    assert ballot is not None and ballot.leaving is False
+    with pytest.raises(ConnectionError, match="round 2's store is gone"):
+        ballot.result()
