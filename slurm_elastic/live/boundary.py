@@ -172,6 +172,10 @@ class Agreement:
         return self.ready_max > 0 and self.ready_min == self.ready_max
 
 
+#: Votes of failed steps whose collective had not ended (see :meth:`Ballot.abandon`).
+_UNFINISHED: list[Ballot] = []
+
+
 @dataclass
 class Ballot:
     """This rank's vote for a step's boundary, started at the step's entry.
@@ -191,6 +195,19 @@ class Ballot:
     work: Any
     #: what casting the vote raised: raised at the boundary, where failures are handled
     error: Exception | None = None
+
+    def abandon(self) -> None:
+        """The step failed before its boundary read the vote: keep the vote referenced
+        until its collective has ended (pruned at a later vote).
+
+        A gloo thread that drops the second-to-last C++ reference to a tensor made in
+        Python takes the GIL to release its Python object; if the group is freed first
+        (its destructor joins that thread, holding the GIL: e.g. when the loop drops the
+        old DDP wrapper), both wait forever. Kept here, the work's own references
+        outlive the thread's.
+        """
+        if self.work is not None and not self.work.is_completed():
+            _UNFINISHED.append(self)
 
     def result(self) -> Agreement:
         """Wait for the vote (usually done already) and return what the ranks agree on.
@@ -264,6 +281,7 @@ def cast_vote(
     ``world``: the session's :class:`~slurm_elastic.live.world.LiveWorld` (its round, the
     pending and ready rounds, the collective's device).
     """
+    _UNFINISHED[:] = [b for b in _UNFINISHED if not b.work.is_completed()]
     if not cadence.due(step, world.round):
         return None
     leaving = departure.leaving_here()

@@ -407,17 +407,19 @@ class ElasticSession:
         )
         failure: str | None = None
         self._stepped = advanced = False
+        # this step's boundary vote, cast now (its collective runs during the step)
+        ballot = cast_vote(
+            self.step_count + 1, self.in_place, self.departure, self.cadence, self.world
+        )
         try:
-            # this step's boundary vote, cast now (its collective runs during the step)
-            ballot = cast_vote(
-                self.step_count + 1, self.in_place, self.departure, self.cadence, self.world
-            )
             yield info
             self._advance(stop, on_epoch_end)
             advanced = True
             outcome = self._boundary(ballot)
-        except Exception as exc:
-            if not is_peer_failure(exc):
+        except BaseException as exc:
+            if ballot is not None:
+                ballot.abandon()  # referenced until its collective ends (Ballot.abandon)
+            if not isinstance(exc, Exception) or not is_peer_failure(exc):
                 raise
             failure = f"{type(exc).__name__}: {exc}"
             outcome = None
@@ -428,7 +430,6 @@ class ElasticSession:
                 self._advance(stop, None)
         # Outside the except block: its traceback would keep the broken group alive.
         if failure is not None:
-            ballot = None  # its collective's handle: the broken group goes with it
             self.interrupted = True
             if self.departure.leaving_here():
                 events.emit(events.LiveLeft(step=self.step_count, after="failure"))
