@@ -191,7 +191,7 @@ class Ballot:
     """
 
     leaving: bool
-    flags: torch.Tensor | None
+    flags: torch.Tensor
     work: Any
     #: what casting the vote raised: raised at the boundary, where failures are handled
     error: Exception | None = None
@@ -218,7 +218,6 @@ class Ballot:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
-        assert self.flags is not None
         self.work.wait()
         any_leave, any_stay, ready_max, neg_min, gave_up, neg_next = (
             int(v) for v in self.flags.tolist()
@@ -295,4 +294,4 @@ def cast_vote(
         urgent = leaving or waiting  # vote again at the next boundary: a change is under way
         return start_vote(leaving, ready, give_up, world.device(), cadence.proposal(urgent))
     except Exception as exc:  # the step still runs; its boundary raises it
-        return Ballot(leaving=leaving, flags=None, work=None, error=exc)
+        return Ballot(leaving=leaving, flags=torch.empty(0), work=None, error=exc)

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from contextlib import closing
+from typing import Any
 
 import pytest
 import torch
@@ -118,20 +119,27 @@ def _rank(rank: int, port: int, step_s: float, out: mp.Queue) -> None:
         dist.destroy_process_group()
 
 
-def test_two_ranks_that_time_their_steps_differently_vote_on_the_same_boundaries() -> None:
+def _run_two_ranks(target: Any, *args_per_rank: tuple[Any, ...]) -> dict[int, Any]:
+    """Run ``target(rank, port, *args, out)`` in two spawned gloo ranks; rank -> the rest
+    of what each put on ``out``."""
     with closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, step_s, out)) for r, step_s in
-             ((0, 0.01), (1, 0.05))]  # fmt: skip
+    procs = [ctx.Process(target=target, args=(r, port, *a, out)) for r, a in
+             enumerate(args_per_rank)]  # fmt: skip
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got = {r[0]: r[1:] for r in (out.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
+    return got
+
+
+def test_two_ranks_that_time_their_steps_differently_vote_on_the_same_boundaries() -> None:
+    got = {r: v[0] for r, v in _run_two_ranks(_rank, (0.01,), (0.05,)).items()}
     assert got[0] == got[1]  # a mismatch would have hung a rank in the collective
     # The slower rank's proposal (0.25 s / 0.05 s = 5 steps) wins, not rank 0's 25.
     assert {n for _, n in got[0][2:]} == {5}, got[0]
@@ -166,18 +174,7 @@ def test_a_vote_cast_at_the_steps_entry_does_not_wait_for_the_slower_rank() -> N
     # Plain DDP pays the ranks' skew once, in its gradient all-reduce; a vote taken at
     # the boundary paid it a second time. Cast at the entry, its collective is done by
     # the boundary: the faster rank does not wait there for the slower one's step.
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_skewed_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = {r[0]: r[1:] for r in (out.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    got = _run_two_ranks(_skewed_rank, (), ())
     (entry0, end0, waited_entry, waited_end), (entry1, end1, _, _) = got[0], got[1]
     assert entry0 == entry1 == end0 == end1  # the same agreement on both ranks
     assert entry0.any_leave and entry0.any_stay  # rank 1 leaves, rank 0 stays
