@@ -198,15 +198,17 @@ class Ballot:
 
     def abandon(self) -> None:
         """The step failed before its boundary read the vote: keep the vote referenced
-        until its collective has ended (pruned at a later vote).
+        until a later vote (which prunes those whose collective has ended).
 
         A gloo thread that drops the second-to-last C++ reference to a tensor made in
         Python takes the GIL to release its Python object; if the group is freed first
         (its destructor joins that thread, holding the GIL: e.g. when the loop drops the
         old DDP wrapper), both wait forever. Kept here, the work's own references
-        outlive the thread's.
+        outlive the thread's: even a completed one (the thread lets go of the work just
+        after it completes it). The failed group's connections are shut down right
+        after (:func:`~slurm_elastic.live.links.abandon`), so the collective ends.
         """
-        if self.work is not None and not self.work.is_completed():
+        if self.work is not None:
             _UNFINISHED.append(self)
 
     def result(self) -> Agreement:

@@ -38,59 +38,15 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_elastic import events, notice
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.errors import PeerLostError, ReformTimeoutError, RoundSupersededError
-from slurm_elastic.live import auth, roster
-from slurm_elastic.live.abort import StallGuard, connected_sockets, connection_lost, tcp_connections
+from slurm_elastic.live import auth, links, roster
+from slurm_elastic.live.abort import StallGuard, connected_sockets
 from slurm_elastic.live.fsdp import ShardedModel
+from slurm_elastic.live.links import is_peer_failure
 from slurm_elastic.live.state import ElasticState
 
 __all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _GroupLinks:
-    """The TCP connections of this process's current gloo group (its pairs).
-
-    One per process, as the process group is: :class:`LiveWorld` records them when a group
-    forms (and after it wraps the model: an HSDP mesh adds subgroups) and forgets them
-    when the group goes; :func:`is_peer_failure` reads them.
-    """
-
-    connections: frozenset[int] = frozenset()
-
-
-_links = _GroupLinks()
-
-
-def _is_gloo(backend: str) -> bool:
-    return "gloo" in backend.lower()
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed collective or store (a peer gone), not a bug.
-
-    By the exception's type, never its message:
-
-    * torch's ``DistError`` family: ``DistNetworkError`` (a store connection failed: the
-      store's host is gone, or a connect timed out), ``DistStoreError`` (a store wait
-      timed out: a peer never wrote its key, e.g. its gloo address during
-      ``init_process_group``), ``DistBackendError`` (NCCL's errors);
-    * :class:`~slurm_elastic.errors.PeerLostError` (:meth:`LiveWorld._join`: a gloo group
-      that could not form);
-    * a plain ``RuntimeError`` (exactly that type, no subclass) while a connection of the
-      current gloo group is lost. torch 2.13 and 2.14.1 raise gloo's transport errors as
-      plain ``RuntimeError`` from ``Work.wait()`` (``dist.all_reduce``/``broadcast``/
-      ``all_gather``/``barrier``, and DDP's reducer inside ``loss.backward()``): a peer
-      that died ("Connection closed by peer", "Connection reset by peer") and an
-      operation that timed out ("Timed out waiting ... for recv"). That is the type a
-      shape mismatch has too; what tells them apart is the transport: gloo closes the
-      pair of a failed operation before it raises (measured for all three in
-      ``tests/live/test_peer_failure.py``), a bug leaves every connection established.
-    """
-    if isinstance(exc, (dist.DistError, PeerLostError)):
-        return True
-    return type(exc) is RuntimeError and connection_lost(_links.connections)
 
 
 #: A round's store connect is tried this long before a newer assignment is looked for.
@@ -373,7 +329,7 @@ class LiveWorld:
             # peer that published its address is gone; a peer that never published it
             # is a DistStoreError already. Plain RuntimeError only: its subclasses
             # (torch's DistError family included) pass unchanged.
-            if type(exc) is not RuntimeError or not _is_gloo(self.backend):
+            if type(exc) is not RuntimeError or not links.is_gloo(self.backend):
                 raise
             raise PeerLostError(
                 f"the gloo group of round {a.round} ({a.world_size} ranks) did not form: "
@@ -401,7 +357,7 @@ class LiveWorld:
             dist.destroy_process_group()
         del group, held
         self._store = None
-        _links.connections = frozenset()
+        links.forget()
 
     def beat(self) -> None:
         """A step boundary passed on the current group (for the stall guard)."""
@@ -432,8 +388,8 @@ class LiveWorld:
 
     def _record_links(self) -> None:
         """Record the current gloo group's connections (see :func:`is_peer_failure`)."""
-        if _is_gloo(self.backend):
-            _links.connections = tcp_connections(connected_sockets() - self._group_sockets)
+        if links.is_gloo(self.backend):
+            links.record(connected_sockets() - self._group_sockets)
 
     def sync_state(self) -> bool:
         """Collective: all ranks take the newest commit; False if nobody has one. A sharded
@@ -520,6 +476,8 @@ class LiveWorld:
         """
         if self._guard is not None:
             self._guard.disarm()  # out of the collective (not stuck in it: live/abort.py)
+        # end the failed group's other collectives at once (see links.abandon)
+        links.abandon()
         started = time.monotonic()
         deadline = started + self.reform_timeout_s
         failed_step = int(self.state.progress["step"])
