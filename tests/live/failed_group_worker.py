@@ -23,15 +23,14 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from slurm_elastic.errors import ReformTimeoutError
-from slurm_elastic.live import ElasticState, roster
-from slurm_elastic.live.world import LiveWorld, is_peer_failure
+from slurm_elastic.live.world import is_peer_failure
+from tests.live.gloo_round import assignment, live_world
 
 
 def main() -> None:
@@ -41,15 +40,8 @@ def main() -> None:
         float(sys.argv[3]),
         Path(sys.argv[4]),
     )
-    live = LiveWorld(
-        ElasticState(torch.nn.Linear(4, 4), step=0),
-        backend="gloo",
-        ddp_kwargs={},
-        timeout=timedelta(seconds=timeout_s),
-        reform_timeout_s=1,
-        in_place=True,
-    )
-    a = roster.Assignment(1, rank, 3, 0, rank, 3, "127.0.0.1", port)
+    live = live_world(timeout_s)
+    a = assignment(rank, 3, port)
     live._join(a, live._connect(a))
     live.wrap()
     live.commit(0)

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slurm_elastic.live import ElasticState, roster
+from slurm_elastic.live import roster
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
+from tests.live.gloo_round import assignment, live_world
 
 
 def _report(exc: BaseException) -> dict[str, object]:
@@ -99,16 +100,8 @@ def _formation(live: LiveWorld, a: roster.Assignment, out: Path) -> None:
 def main() -> None:
     rank, port, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     timeout_s, out = float(sys.argv[4]), Path(sys.argv[5])
-    model = torch.nn.Linear(4, 4)
-    live = LiveWorld(
-        ElasticState(model),
-        backend="gloo",
-        ddp_kwargs={},
-        timeout=timedelta(seconds=timeout_s),
-        reform_timeout_s=1,
-        in_place=True,
-    )
-    a = roster.Assignment(1, rank, 2, 0, rank, 2, "127.0.0.1", port)
+    live = live_world(timeout_s)
+    a = assignment(rank, 2, port)
     if scenario == "formation":
         _formation(live, a, out)
         return

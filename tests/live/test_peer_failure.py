@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -31,47 +30,20 @@ import pytest
 import torch.distributed as dist
 
 from slurm_elastic.errors import PeerLostError, ReformTimeoutError
-from slurm_elastic.live import auth, is_peer_failure
+from slurm_elastic.live import is_peer_failure
 from tests.helpers import wait_for
+from tests.live.gloo_round import gloo_round
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("peer_failure_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(
-    tmp_path: Path, port: int, scenario: str, timeout_s: float
-) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop(auth.KEY_FILE_ENV, None)
-    procs = []
-    for rank in (0, 1):
-        log = open(tmp_path / f"worker{rank}.log", "wb")  # noqa: SIM115 - closed with the test
-        argv = [sys.executable, str(WORKER), str(rank), str(port), scenario]
-        argv += [str(timeout_s), str(tmp_path)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
-
-
-def _logs(tmp_path: Path) -> str:
-    return "\n".join((tmp_path / f"worker{r}.log").read_text(errors="replace") for r in (0, 1))
-
-
 def _run(tmp_path: Path, scenario: str, *, timeout_s: float, kill: bool) -> dict[str, object]:
-    port = free_port()
-    master = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True
-    )  # the round's store, as the agent hosts it
-    procs = _start(tmp_path, port, scenario, timeout_s)
-    try:
+    with gloo_round(tmp_path, WORKER, 2, scenario, timeout_s, tmp_path) as workers:
+        procs = workers.procs
 
         def both_ready() -> bool:
-            assert all(p.poll() is None for p in procs), _logs(tmp_path)
+            assert all(p.poll() is None for p in procs), workers.logs()
             return (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists()
 
         wait_for(both_ready, 120, "both workers in the group")
@@ -80,14 +52,8 @@ def _run(tmp_path: Path, scenario: str, *, timeout_s: float, kill: bool) -> dict
             # just before the call fails the same way: the pair's connection is gone)
             wait_for(lambda: (tmp_path / "entering0").exists(), 60, "rank 0's operation")
             procs[1].send_signal(signal.SIGKILL)
-        assert procs[0].wait(120) == 0, _logs(tmp_path)
+        assert procs[0].wait(120) == 0, workers.logs()
         return json.loads((tmp_path / "result.json").read_text())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        del master
 
 
 @pytest.mark.parametrize("operation", ["all_reduce", "backward"])
@@ -111,29 +77,19 @@ def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path
     RuntimeError ("Connect timeout"); LiveWorld._join raises it as PeerLostError. (Now
     and then gloo completes the connect its kernel accepted before the death: the first
     collective then fails, a peer failure as well.)"""
-    port = free_port()
-    master = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True
-    )
-    procs = _start(tmp_path, port, "formation", 8)
-    try:
-        survivor = procs[1].wait(180)
+    with gloo_round(tmp_path, WORKER, 2, "formation", 8, tmp_path) as workers:
+        survivor = workers.procs[1].wait(180)
         # rank 0 is SIGKILLed by its own store write (or aborted by gloo just before)
-        assert procs[0].wait(60) in (-signal.SIGKILL, -signal.SIGABRT), _logs(tmp_path)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        del master
+        assert workers.procs[0].wait(60) in (-signal.SIGKILL, -signal.SIGABRT), workers.logs()
+        logs = workers.logs()
     if survivor == -signal.SIGABRT:
         # Now and then (2 of ~40 runs on a loaded 2-core machine; 0 of 26 unloaded) gloo
         # itself aborts the survivor while the group forms: std::terminate in torch's C++,
         # which no Python code can catch. The agent sees a failed worker and restarts it
         # (docs/live.md, Limits). What this test checks is the classification otherwise.
-        assert "terminate called" in _logs(tmp_path), _logs(tmp_path)
+        assert "terminate called" in logs, logs
         pytest.skip(reason="gloo aborted the surviving process (std::terminate, not catchable)")
-    assert survivor == 0, _logs(tmp_path)
+    assert survivor == 0, logs
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["peer_failure"] is True, result
     if result["stage"] == "join":  # usually: connectFullMesh's "Connect timeout"
@@ -145,20 +101,9 @@ def test_a_peer_gone_while_the_gloo_group_forms_is_a_peer_failure(tmp_path: Path
 
 
 def test_a_bug_on_an_intact_group_is_not_a_peer_failure(tmp_path: Path) -> None:
-    port = free_port()
-    master = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True
-    )
-    procs = _start(tmp_path, port, "bug", 60)
-    try:
-        for p in procs:
-            assert p.wait(180) == 0, _logs(tmp_path)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        del master
+    with gloo_round(tmp_path, WORKER, 2, "bug", 60, tmp_path) as workers:
+        for p in workers.procs:
+            assert p.wait(180) == 0, workers.logs()
     for rank in (0, 1):
         shape, value = json.loads((tmp_path / f"result{rank}.json").read_text())
         assert shape["type"] == "builtins.RuntimeError", shape  # the type gloo's has too
