@@ -34,21 +34,28 @@ plain loop's, and each session step paid the skew the plain step before it left:
 3-5 % bias against the session, measured). The ratio is the median over block pairs of
 (session block / the plain block just before it), after the warm-up blocks;
 ``ratio_of_sums`` is reported beside it. What it does
-not see: a cost the session adds to the process as a whole (a thread) is paid by both
-loops there; the separate launches do see it.
+not see: a cost the session adds to the process as a whole (a thread, e.g. its stall
+guard) is paid by both loops' blocks alike there. That cost is measured directly: the
+CPU time of every Python thread of the worker but the main one over the ab run (the
+plain loop starts none), charged in full to the session's steps and added to the ratio
+(``session_vs_plain_whole_process``: ratio + thread CPU per session step / plain time
+per step, the rank whose threads used the most). The separate launches see such a cost
+too, but at +-30 % per launch they cannot resolve 3 %: they are reported, not judged.
 
 Cases: ``session_vs_plain_same_processes`` (the ``ab`` run; target ours / plain <= 1.03,
-moonshot 1.01), ``session_vs_plain`` (separate launches; the same target),
-``loop_vs_plain`` (reported), ``rss_session_vs_plain`` (reported). A run that did not
-finish (timeout, a worker error) is reported as such, with no ratio.
+moonshot 1.01), ``session_vs_plain_whole_process`` (the same target),
+``session_vs_plain`` and ``loop_vs_plain`` (separate launches, reported),
+``rss_session_vs_plain`` (reported). A run that did not finish (timeout, a worker
+error) is reported as such, with no ratio.
 
 **FSDP2** (``--models`` has ``fsdp``, the default): the same model sharded instead of
 replicated, the ``fsdp_`` cases. The baseline is the hand-written FSDP2 loop: each
 Linear, then the root, ``fully_shard``-ed on a 1-D mesh over the 2 ranks, Adam built on
 the sharded parameters; ours is the session with ``fsdp=FSDPConfig(...)`` sharding the
 same units (it re-shards in place on a change; none happens here). The same two
-measurements (``fsdp_session_vs_plain_same_processes``, ``fsdp_session_vs_plain``, same
-target) and ``fsdp_rss_session_vs_plain``; ``ElasticLoop`` runs the session's code and is
+measurements (``fsdp_session_vs_plain_same_processes``,
+``fsdp_session_vs_plain_whole_process``: the same target; ``fsdp_session_vs_plain``:
+reported) and ``fsdp_rss_session_vs_plain``; ``ElasticLoop`` runs the session's code and is
 not launched again.
 
 **Neighbour copies** (``--models`` has ``copies``, the default): FSDP2's copies every
@@ -222,6 +229,33 @@ def ab_case(
     return row
 
 
+def whole_process_case(ab_row: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """The same-processes ratio plus what it cannot see: the CPU time of every thread
+    the session runs beside the loop (the plain loop runs none), charged in full to the
+    session's steps: ``ratio + thread CPU per session step / plain time per step``, on
+    the rank whose threads used the most. A thread runs through both loops' blocks
+    alike, so the alternating blocks cancel it out; separate launches would see it, but
+    they move by +-30 % per launch here."""
+    row = {**ab_row, "case": "session_vs_plain_whole_process", "ok": False, "ratio": None}
+    row.pop("pair_ratio_p25_p75", None)
+    if "error" in res or ab_row.get("ratio") is None:
+        return row
+    recs = res["records"].values()
+    per_rank = [sum(r.get("threads_cpu_s", {}).values()) / max(1, r.get("session_steps", 0))
+                for r in recs]  # fmt: skip
+    worst = max(per_rank)
+    share = worst * 1e3 / ab_row["baseline"]
+    ratio = ab_row["ratio"] + share
+    threads = {name: round(max(r.get("threads_cpu_s", {}).get(name, 0.0) for r in recs), 4)
+               for r0 in recs for name in r0.get("threads_cpu_s", {})}  # fmt: skip
+    row.update(
+        ours=round(ab_row["ours"] + worst * 1e3, 2), ratio=round(ratio, 4),
+        ok=ratio <= TARGET, threads_cpu_s=threads, threads_cpu_ms_per_step=round(worst * 1e3, 4),
+        threads_share=round(share, 5),
+    )  # fmt: skip
+    return row
+
+
 def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
     """FSDP2's neighbour copies: the ab run with a copy every ``COPY_EVERY`` steps taken
     in the background (ours), against the same run waiting for each copy at its boundary
@@ -310,18 +344,19 @@ def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]
               "warmup": warmup, "repeats": 0 if args.ab_only else repeat, "global_batch": args.global_batch,
               "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
     ab_row = ab_case(ab, max(1, warmup // args.block), {**common, "steps": ab_steps}, args.block)
-    rows = [{**ab_row, "case": prefix + ab_row["case"]}]
+    whole = whole_process_case(ab_row, ab)
+    rows = [{**ab_row, "case": prefix + ab_row["case"]}, {**whole, "case": prefix + whole["case"]}]
     if args.ab_only:
         return rows
     for mode, case, target in (
-        ("session", "session_vs_plain", f"<= {TARGET} (moonshot {MOONSHOT})"),
+        ("session", "session_vs_plain", "reported (+-30 % per launch here)"),
         ("loop", "loop_vs_plain", "reported"),
     ):
         if mode not in modes:
             continue
         ours = med(mode, "step_s")
         ratio = None if ours is None or base is None else round(ours / base, 4)
-        ok = ratio is not None and (ratio <= TARGET if mode == "session" else True)
+        ok = ratio is not None
         pairs = [o["step_s"] / p["step_s"] for o, p in zip(per_mode[mode], per_mode["plain"],
                                                            strict=False)]  # fmt: skip
         rows.append({

@@ -24,6 +24,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from typing import Any
 
@@ -222,6 +223,22 @@ def run_loop(args: argparse.Namespace, marks: Marks) -> int:
     return rank
 
 
+def threads_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by every Python thread of this process but the main one
+    (in the ab run: the threads the session started, e.g. its stall guard; the plain loop
+    starts none), by thread name."""
+    used: dict[str, float] = {}
+    for t in threading.enumerate():
+        if t is threading.main_thread() or t.ident is None:
+            continue
+        try:
+            clock = time.pthread_getcpuclockid(t.ident)
+            used[t.name] = used.get(t.name, 0.0) + time.clock_gettime(clock)
+        except (OSError, ProcessLookupError):  # it ended meanwhile
+            continue
+    return used
+
+
 def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     """Both loops in the same processes, alternating blocks of ``--block`` steps.
 
@@ -257,6 +274,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     blocks: dict[str, list[tuple[int, float, float]]] = {"plain": [], "session": []}
     plain_step = 0
     session_start = 0.0
+    threads_before = threads_cpu_s()  # the session's start (its first commit) not counted
     while not session.finished(steps=args.steps):
         for _ in session.batches():
             if session.step_count % args.block == 0:  # a plain block first
@@ -292,6 +310,11 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     if session.sharded is not None:
         session.sharded.wait_copy()
         out["copy_step"] = session.sharded.copy_step
+    # what the ab ratio does not see: a thread runs through both loops' blocks alike
+    out["threads_cpu_s"] = {
+        name: cpu - threads_before.get(name, 0.0) for name, cpu in threads_cpu_s().items()
+    }
+    out["session_steps"] = len(session_marks)
     session.finish()
     del ddp
     session.close()
