@@ -86,6 +86,18 @@ CASES: dict[str, tuple[str, str]] = {
         "survivors train at 2 within the eviction window + 5 s (heartbeat eviction, blocked "
         "collective aborted in place); thawed, it rejoins",
     ),
+    "test_array_faults.py::test_array_fault[frozen_store_host]": (
+        "the agent hosting the workers' store frozen with its worker (SIGSTOP: its kernel "
+        "still accepts connections nobody answers)",
+        "survivors train at 2 within the eviction window + 5 s on a new store, never waiting "
+        "on the frozen one; thawed, it rejoins",
+    ),
+    "test_array_faults.py::test_array_fault[partitioned_node]": (
+        "a partitioned node: its link set down (it runs and reaches the shared filesystem, "
+        "not its peers)",
+        "evicted by its peers' unanswered pings (cause unreachable), survivors train at 2 "
+        "within the eviction window + 5 s; its link back, it rejoins",
+    ),
     "test_array_faults.py::test_array_fault[high_partition_preemption]": (
         "preemption by a `high`-partition job (`-w node --exclusive`)",
         "USR2 notice: workers save, the task requeues itself and rejoins",

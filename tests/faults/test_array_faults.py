@@ -179,12 +179,16 @@ def _scenario(run: FaultRun, sc: Scenario, cases: Sequence[str]) -> None:
         _requeue_task(run, int(host.task or 0))
         _recovered(run, t0, "the store host's SIGKILL + requeue")
 
-    def frozen_node() -> None:
+    def frozen_node(store_host: bool = False) -> None:
         # A silent loss (issue 22): one task's agent and worker stopped, their sockets
         # open (a hung kernel, a frozen VM). The survivors train again at N-1 within the
-        # eviction window + 5 s; thawed, the node rejoins.
+        # eviction window + 5 s; thawed, the node rejoins. ``store_host``: the frozen
+        # agent is the one serving the round's store (its kernel still accepts
+        # connections and takes requests that nobody answers: a torch store call to it
+        # blocks past its own timeout), so the survivors must form the next round
+        # without ever waiting on it.
         host = run.store_host()
-        victim = next(a for a in run.agents() if a.pid != host.pid)
+        victim = host if store_host else next(a for a in run.agents() if a.pid != host.pid)
         frozen = [victim, *(w for w in run.workers() if w.ppid == victim.pid)]
         t0 = time.time()
         for proc in frozen:
@@ -200,14 +204,15 @@ def _scenario(run: FaultRun, sc: Scenario, cases: Sequence[str]) -> None:
         finally:
             for proc in frozen:
                 run.kill(proc, signal.SIGCONT)
-        print(f"frozen node: the survivors trained at {TASKS - 1} {took:.2f} s after the stop")
+        what = "frozen store host" if store_host else "frozen node"
+        print(f"{what}: the survivors trained at {TASKS - 1} {took:.2f} s after the stop")
         evicted = run.events(t0, "rendezvous.evicted")
         assert evicted and {e["cause"] for e in evicted} == {"heartbeat"}, evicted
         if run.path == "in-place":  # the bound is the in-place path's (the restart path first
             # gives the blocked workers the notice and waits shutdown_timeout_s for them)
             assert took <= FROZEN_BOUND_S, f"{took:.2f} s > eviction window + 5 s"
             assert run.events(t0, "live.collective_aborted"), "no blocked collective aborted"
-        _recovered(run, t0, "a frozen node, thawed")
+        _recovered(run, t0, f"a {what}, thawed")
 
     def partitioned_node() -> None:
         # A partition (issue 22): one task's node cut off from its peers (its link set
@@ -310,6 +315,7 @@ def _scenario(run: FaultRun, sc: Scenario, cases: Sequence[str]) -> None:
         ("agent_sigkill", agent_sigkill),
         ("store_host_agent_sigkill", store_host_sigkill),
         ("frozen_node", frozen_node),
+        ("frozen_store_host", lambda: frozen_node(store_host=True)),
         ("partitioned_node", partitioned_node),
         ("high_partition_preemption", high_partition_preemption),
         ("node_down", node_down),
@@ -389,6 +395,7 @@ CASES = [
     "agent_sigkill",
     "store_host_agent_sigkill",
     "frozen_node",
+    "frozen_store_host",
     "partitioned_node",
     "high_partition_preemption",
     "node_down",
