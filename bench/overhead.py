@@ -42,6 +42,12 @@ plain loop starts none), charged in full to the session's steps and added to the
 per step, the rank whose threads used the most). The separate launches see such a cost
 too, but at +-30 % per launch they cannot resolve 3 %: they are reported, not judged.
 
+The method's null control (``plain_vs_plain_same_processes``, ``--models null``, run
+first): the same alternating blocks with both loops plain DDP on two identical models (the
+first built in the plain loop's place, the second in the session's). Its ratio would be 1
+with no bias and no noise; how far it lands from 1 is what one run can resolve, in the
+same run and on the same machine as the cases it qualifies (reported).
+
 Cases: ``session_vs_plain_same_processes`` (the ``ab`` run; target ours / plain <= 1.03,
 moonshot 1.01), ``session_vs_plain_whole_process`` (the same target),
 ``session_vs_plain`` and ``loop_vs_plain`` (separate launches, reported),
@@ -74,10 +80,10 @@ accepts; the session then takes its restart-path mode: the same boundary and vot
 ``--ab-only`` runs only the same-processes runs; ``--width`` sets the MLP's hidden width
 (8192: a GPU-bound step). ``bench/gpu_checks.sh`` runs it with the other GPU checks.
 
-``--quick`` (~4 min here at a low load): same-processes runs of 100 steps per loop (60
-for the copies), and 2 separate launches of 40 steps (10 warm-up) per loop and model,
-so its separate-launch ratios are mostly noise (the same-processes ratio is the one to
-read); the full run: 240 steps, 8 launches of 100 (20 warm-up).
+``--quick`` (~3.5 min here at a low load): the null control and same-processes runs of
+100 steps per loop (60 for the copies), and one separate launch of 40 steps (10 warm-up)
+per loop and model (its ratios are noise here, and its peak memory is the one reported);
+the full run: 240 steps, 8 launches of 100 (20 warm-up).
 Prints a table and one JSON line per case (bench, case, ours, baseline, ratio, target,
 ok, unit, ...).
 """
@@ -296,9 +302,26 @@ def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def null_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
+    """The same-processes method on two identical plain DDP loops (its null): the ratio
+    would be 1.000 with no bias and no noise; its distance from 1 is one run's resolution."""
+    steps = args.ab_steps or (100 if args.quick else 240)
+    warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
+    res = run_once("null", d, steps, args.global_batch, args.limit, ("--block", str(args.block)))
+    if "error" in res:
+        print(f"# null: {res['error']}\n{res['log_tail']}", file=sys.stderr, flush=True)
+    common = {"model": "ddp", **LAUNCH.describe(), "steps": steps, "warmup": warmup,
+              "global_batch": args.global_batch, "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
+    row = ab_case(res, max(1, warmup // args.block), common, args.block)
+    ran = row["ratio"] is not None
+    row.update(case="plain_vs_plain_same_processes", ok=ran,
+               target="reported (the method's null: 1 +- one run's noise)")  # fmt: skip
+    return [row]
+
+
 def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
     """The cases of one parallelism (``ddp`` or ``fsdp``: every launch gets ``--fsdp``)."""
-    repeat = args.repeat or (2 if args.quick else 8)
+    repeat = args.repeat or (1 if args.quick else 8)
     steps = args.steps or (40 if args.quick else 100)
     warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
     modes = MODES if kind == "ddp" else ("plain", "session")  # the loop: the session's code
@@ -383,7 +406,11 @@ def measure(kind: str, args: argparse.Namespace, d: Path) -> list[dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 repetitions of 40 steps")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="same-processes runs of 100 steps, 1 launch of 40 per loop",
+    )
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
@@ -391,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-steps", type=int, default=None, help="session steps of the ab run")
     ap.add_argument("--block", type=int, default=2, help="steps per block of the ab run")
     ap.add_argument("--limit", type=float, default=180.0, help="seconds per launch")
-    ap.add_argument("--models", default="ddp,fsdp,copies",
-                    help="ddp,fsdp,copies (FSDP2: --fsdp launches; copies: FSDP2's neighbour "
-                    "copies, each rank standing in for a node)")  # fmt: skip
+    ap.add_argument("--models", default="null,ddp,fsdp,copies",
+                    help="null,ddp,fsdp,copies (null: the same-processes method on two "
+                    "identical plain DDP loops; FSDP2: --fsdp launches; copies: FSDP2's "
+                    "neighbour copies, each rank standing in for a node)")  # fmt: skip
     ap.add_argument("--ab-only", action="store_true", help="only the same-processes runs")
     ap.add_argument(
         "--device",
@@ -432,13 +460,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--models={args.models!r}: neighbour copies need 2 workers, "
                  f"not {LAUNCH.workers} (drop copies)")  # fmt: skip
     kinds = [k for k in args.models.split(",") if k]
-    unknown = sorted(set(kinds) - {"ddp", "fsdp", "copies"})
+    unknown = sorted(set(kinds) - {"null", "ddp", "fsdp", "copies"})
     if unknown or not kinds:
-        ap.error(f"--models={args.models!r}: use some of ddp,fsdp,copies")
+        ap.error(f"--models={args.models!r}: use some of null,ddp,fsdp,copies")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead-") as d:
         for kind in kinds:
-            rows += copies_case(args, Path(d)) if kind == "copies" else measure(kind, args, Path(d))
+            if kind == "copies":
+                rows += copies_case(args, Path(d))
+            elif kind == "null":
+                rows += null_case(args, Path(d))
+            else:
+                rows += measure(kind, args, Path(d))
     for row in rows:
         print(json.dumps(row), flush=True)
     print(f"\n{'case':34} {'ours':>9} {'baseline':>9} {'ratio':>7} {'unit':8} target / ok")

@@ -35,7 +35,7 @@ from torch import nn
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["plain", "session", "loop", "ab"])
+    p.add_argument("mode", choices=["plain", "session", "loop", "ab", "null"])
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--global-batch", type=int, default=32)
@@ -323,6 +323,41 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     return rank
 
 
+def run_null(args: argparse.Namespace, out: dict[str, Any]) -> int:
+    """The null control of :func:`run_ab`: the same alternating blocks, each timed between
+    two barriers, but both loops plain DDP on two identical models (the first built takes
+    the plain loop's place, the second the session's). Its ratio would be 1 with no noise
+    and no bias: its spread is what one same-processes run can resolve."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    init_plain(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loops = []
+    for _ in range(2):
+        model, opt, x, y = build(args)
+        loops.append((DistributedDataParallel(model, **ddp_kwargs(args)), opt))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    b, per = args.global_batch, args.global_batch // world
+    blocks: dict[str, list[tuple[int, float, float]]] = {"plain": [], "session": []}
+    step = 0
+    for block in range(args.steps // args.block):
+        for (model, opt), name in zip(loops, ("plain", "session"), strict=True):
+            sync(args)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.block):
+                i = step % args.steps
+                idx = order[i * b + rank * per : i * b + (rank + 1) * per]
+                train_step(model, opt, x[idx], y[idx], 1.0 / b * world)
+                step += 1
+            sync(args)
+            dist.barrier()
+            blocks[name].append((block, start, time.perf_counter()))
+    out["blocks"] = blocks
+    dist.destroy_process_group()
+    return rank
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -332,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {}
     if args.mode == "ab":
         rank = run_ab(args, record)
+    elif args.mode == "null":
+        rank = run_null(args, record)
     else:
         run = {"plain": run_plain, "session": run_session, "loop": run_loop}[args.mode]
         rank = run(args, marks)
