@@ -33,6 +33,8 @@ the builtin (``ValueError``, ``TimeoutError``, ...) catches ours too.
     │                                  (a member left or was evicted, or its store's
     │                                  host is gone): join the next one. Alias:
     │                                  RoundBrokenError
+    ├── StoreUnansweredError           a call to a round's store was abandoned: its
+    │                                  host did not answer (frozen?) or was not needed
     ├── CheckpointError                a checkpoint could not be written or read
     │   ├── CheckpointWriteError       ENOSPC, EACCES, EROFS ...: nothing was lost
     │   │   └── StagingConflict        a tensor changed while it was being staged
@@ -108,6 +110,7 @@ __all__ = [
     "SlurmParseError",
     "StagingConflict",
     "StateExchangeError",
+    "StoreUnansweredError",
     "UnsafeDirectoryError",
     "UnsafeFileError",
     "UnsupportedStateError",
@@ -222,6 +225,12 @@ class RoundLostError(SlurmElasticError):
 
 #: The agent side's former name of :class:`RoundLostError` (one fact, one class).
 RoundBrokenError = RoundLostError
+
+
+class StoreUnansweredError(SlurmElasticError):
+    """A call to a round's store was abandoned: its caller no longer needed the answer,
+    or it outlived its limit (a frozen host accepts requests and never answers them;
+    ``rendezvous/bounded_call.py``)."""
 
 
 # -- checkpoints ------------------------------------------------------------------------

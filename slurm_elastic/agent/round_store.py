@@ -9,6 +9,12 @@ short polls that also ask the rendezvous whether the round is still whole
 (:class:`~slurm_elastic.rendezvous.protocols.RoundWatching`); when it is not, or when
 the store's host is gone, :class:`~slurm_elastic.errors.RoundLostError` (the error the
 rendezvous raises for the same fact) tells the agent to join the next round instead.
+
+A store host that is *frozen* (SIGSTOP, a hung kernel) still accepts connections and
+takes requests nobody answers, and torch's client waits for its answer without a
+timeout: every call is waited for in slices (:func:`~slurm_elastic.rendezvous.
+bounded_call.call_bounded`), asking ``round_lost`` between them; a call that outlives the
+round, or the store's timeout, is abandoned.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from slurm_elastic.errors import RoundBrokenError, RoundLostError
+from slurm_elastic.rendezvous.bounded_call import StoreUnansweredError, call_bounded
 
 # RoundBrokenError: the former name of RoundLostError, re-exported for old imports.
 __all__ = ["RoundBoundStore", "RoundBrokenError", "RoundLostError"]
@@ -86,8 +93,18 @@ class RoundBoundStore:
             delay = min(delay * 2, _POLL_CAP_S)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, waited for while the round stays whole and for at most the
+        store's timeout (+ one slice): a frozen host's store never answers."""
+        timeout_s = self._store.timeout.total_seconds()
         try:
-            return fn(*args)
+            return call_bounded(
+                lambda: fn(*args),
+                limit_s=timeout_s + self._ask_every_s,
+                give_up=lambda: "the round lost a member" if self._round_lost() else None,
+                slice_s=self._ask_every_s,
+            )
+        except StoreUnansweredError as exc:
+            raise RoundLostError(f"rank assignment: {exc}") from None
         except dist.DistNetworkError as exc:
             # The round's store lives on its rank 0 node: that node is gone.
             raise RoundLostError(f"the round's store is unreachable: {exc}") from exc

@@ -37,6 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from slurm_elastic.errors import RendezvousSetupError, RoundLostError
+from slurm_elastic.rendezvous.bounded_call import StoreUnansweredError, call_bounded
 from slurm_elastic.rendezvous.run_directory import Era
 
 __all__ = ["RoundLostError", "WorkerStoreOwner", "interface_address", "resolve_local_addr"]
@@ -124,6 +125,30 @@ class WorkerStoreOwner:
                 log.warning("store port %d unavailable (%s); using an ephemeral port", port, exc)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _client(
+        self, rec: Mapping[str, object], round_: int, round_is_current: Callable[[], bool]
+    ) -> dist.TCPStore:
+        """A client of the store ``rec`` names. Bounded: a frozen rank 0 accepts the
+        connection and never answers torch's ping, which has no timeout (bounded_call.py).
+
+        Raises:
+            StoreUnansweredError: no answer in time, or the round ended meanwhile.
+        """
+        connect_s = min(10.0, self._timeout.total_seconds())
+        client = call_bounded(
+            lambda: dist.TCPStore(
+                host_name=str(rec["addr"]),
+                port=int(str(rec["port"])),
+                is_master=False,
+                timeout=timedelta(seconds=connect_s),
+                use_libuv=True,
+            ),
+            limit_s=connect_s + 1.0,
+            give_up=lambda: None if round_is_current() else f"round {round_} ended",
+        )
+        client.set_timeout(self._timeout)
+        return client
+
     def setup(
         self,
         round_: int,
@@ -164,15 +189,8 @@ class WorkerStoreOwner:
                 if rec.get("members", members) != members:
                     raise RoundLostError(f"round {round_} changed members before this node read it")
                 try:
-                    client = dist.TCPStore(
-                        host_name=rec["addr"],
-                        port=rec["port"],
-                        is_master=False,
-                        timeout=timedelta(seconds=min(10.0, self._timeout.total_seconds())),
-                        use_libuv=True,
-                    )
-                    client.set_timeout(self._timeout)
-                except (RuntimeError, dist.DistNetworkError) as exc:
+                    client = self._client(rec, round_, round_is_current)
+                except (RuntimeError, dist.DistNetworkError, StoreUnansweredError) as exc:
                     log.warning(
                         "cannot reach round %d store at %s:%s (%s)",
                         round_,
