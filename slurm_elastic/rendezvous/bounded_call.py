@@ -2,8 +2,9 @@
 
 A store host that is frozen (SIGSTOP, a hung kernel) still accepts connections and takes
 requests that nobody answers, and torch's TCPStore client waits for some answers without
-a timeout (torch 2.13, measured: a ``check``, a timed-out ``get`` and the constructor's
-``ping`` against a stopped server each waited past 60 s with a 2 s timeout). The caller
+a timeout (torch 2.13, measured with a 2 s timeout against a stopped server: a timed-out
+``get`` waited past 60 s, the constructor's ``ping`` past 100 s, a ``check`` past 20 s,
+each until the measurement stopped). The caller
 cannot interrupt a call blocked in C++, so :func:`call_bounded` runs it on a daemon
 thread and waits for it in slices, asking between them whether the caller still wants
 its answer; a call it stops waiting for is abandoned (its thread ends when the host dies

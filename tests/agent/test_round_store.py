@@ -79,7 +79,7 @@ def test_a_frozen_store_host_does_not_hold_a_broken_round(
     _, error, took = call_within(lambda: store.get("ranks/1"), 30)
     assert isinstance(error, RoundLostError), error
     assert "no answer from the store, and the round lost a member" in str(error)
-    assert 1.0 <= took < 5.0, took
+    assert 0.9 <= took < 5.0, took  # not before the round was lost (1 s after the start)
 
 
 def test_a_frozen_store_host_fails_the_call_after_the_stores_timeout(
