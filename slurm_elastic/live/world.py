@@ -44,7 +44,7 @@ from slurm_elastic.live.fsdp import ShardedModel
 from slurm_elastic.live.links import is_peer_failure
 from slurm_elastic.live.state import ElasticState
 
-__all__ = ["LiveWorld", "ReformTimeoutError", "is_peer_failure"]
+__all__ = ["LiveWorld", "ReformTimeoutError", "form_group", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,33 @@ log = logging.getLogger(__name__)
 _CONNECT_SLICE_S = 1.0
 #: and given up after this long (or the collective timeout, if shorter).
 _CONNECT_BUDGET_S = 10.0
+
+
+def form_group(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+    """``init_process_group`` on ``store``; a failed one leaves the next one's name as a
+    fresh process's.
+
+    torch names the default group by a process-wide counter, part of every store key
+    of the group's formation (``<name>/``). A failed ``init_process_group`` advances it
+    and only destroying the default group resets it: a survivor whose formation failed
+    (its round was superseded under it, a peer died) would form the next round as group
+    ``1`` while a newcomer (a fresh process) forms it as ``0``, and both would wait for
+    each other's keys for the whole ``timeout`` (tests/live/test_group_name.py; torch
+    2.13). After a failure this forms and destroys a one-rank group on a private store,
+    public API only, which resets the counter, then raises the failure.
+    """
+    try:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    except BaseException:
+        if not dist.is_initialized():
+            try:
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                dist.destroy_process_group()
+            except Exception as exc:  # the original failure is what the caller needs
+                log.warning("could not reset the process group name after a failure: %s", exc)
+        raise
 
 
 @dataclass
@@ -315,12 +342,8 @@ class LiveWorld:
         # Python methods are gone ("Not implemented" from PythonStore::set).
         self._store = store
         try:
-            dist.init_process_group(
-                self.backend,
-                store=dist.PrefixStore("pg", store),
-                rank=a.rank,
-                world_size=a.world_size,
-                timeout=self.timeout,
+            form_group(
+                self.backend, dist.PrefixStore("pg", store), a.rank, a.world_size, self.timeout
             )
         except RuntimeError as exc:
             # init_process_group -> ProcessGroupGloo's constructor -> connectFullMesh

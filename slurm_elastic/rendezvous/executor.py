@@ -153,6 +153,7 @@ class OpLoop:
             RendezvousTimeoutError: the operation did not finish by its deadline.
         """
         losses = 0
+        told_spare = False
         while True:
             gen, view = self._backend.view()
             act = decide(view, self.clock(view, deadline))
@@ -163,6 +164,15 @@ class OpLoop:
             if act is Act.FINISH:
                 return view
             if act is Act.SYNC:
+                if not told_spare and view.where(self._node) == SPARES:
+                    told_spare = True
+                    log.info(
+                        "rendezvous %r: the round is full (%d of max %d nodes): waiting as "
+                        "a spare until a member leaves",
+                        self._run_id,
+                        view.count(PARTICIPANTS),
+                        self._rules.max_nodes,
+                    )
                 self._wait_for_change(view, gen, deadline)
                 continue
             if act is Act.ERROR_CLOSED:

@@ -116,7 +116,12 @@ def main() -> None:
         local = state["w"].to_local()
         print(f"rank {rank}/{world} holds rows {local.shape[0]}")
     dist.barrier()
-    dist.destroy_process_group()
+    # Every rank's work is checked and printed; what is left is torch's teardown, not
+    # under test: its gloo/DTensor objects abort the interpreter's exit now and then
+    # ("terminate called without an active exception", once in CI on a load rank after
+    # it printed its rows; docs/live.md, Limits). End without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

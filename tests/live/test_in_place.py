@@ -148,7 +148,8 @@ def test_spare_is_promoted_in_place_when_a_member_leaves(
     wait_world_of_4(tmp_path)
     spare = LiveRun(tmp_path, "spare1", "1:2", "c", *paced, steps=steps, step_time=pace)
     nodes.append(spare)
-    wait_for(lambda: "spare" in spare.log(), 30, "the spare")
+    # (the agent's log names the run, "spare1", from its first line: wait for the state)
+    wait_for(lambda: "waiting as a spare" in spare.log(), 30, "the spare")
     a_pids = a.worker_pids()
     assert started_workers(tmp_path, "spare1", spare) == set()  # a spare runs no workers
     b.signal(signal.SIGUSR2)
