@@ -24,6 +24,7 @@ tear down outside their ``except`` block); a reused store prefix reads stale add
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from slurm_elastic.live.abort import StallGuard, connected_sockets
 from slurm_elastic.live.fsdp import ShardedModel
 from slurm_elastic.live.links import is_peer_failure
 from slurm_elastic.live.state import ElasticState
+from slurm_elastic.rendezvous.bounded_call import StoreUnansweredError, call_bounded
 
 __all__ = ["LiveWorld", "ReformTimeoutError", "form_group", "is_peer_failure"]
 
@@ -290,19 +292,31 @@ class LiveWorld:
         between slices a newer assignment supersedes ``a`` (:class:`RoundSupersededError`):
         a worker back from a freeze finds the rounds it missed gone, and torch retries a
         refused connect until its timeout (the storm of ``bench/goodput.py``, live.md).
+        A frozen host accepts the connection and never answers torch's ping, which has no
+        timeout: that connect is waited for until a newer assignment supersedes ``a``
+        (rendezvous/bounded_call.py), or until the agent restarts workers still starting.
         """
         budget_end = time.monotonic() + min(_CONNECT_BUDGET_S, self.timeout.total_seconds())
         while True:
             slice_s = max(0.1, min(_CONNECT_SLICE_S, budget_end - time.monotonic()))
             try:
-                client = dist.TCPStore(
-                    a.master_addr,
-                    a.master_port,
-                    is_master=False,
-                    timeout=timedelta(seconds=slice_s),
-                    use_libuv=True,
+                client = call_bounded(
+                    lambda: dist.TCPStore(
+                        a.master_addr,
+                        a.master_port,
+                        is_master=False,
+                        timeout=timedelta(seconds=slice_s),  # noqa: B023 (waited for here)
+                        use_libuv=True,
+                    ),
+                    limit_s=math.inf,
+                    give_up=lambda: self._superseded(a),
                 )
                 break
+            except StoreUnansweredError as exc:  # a frozen host, and a newer round is there
+                raise RoundSupersededError(
+                    f"round {a.round}'s store at {a.master_addr}:{a.master_port}: {exc}: "
+                    "skipping it"
+                ) from None
             except dist.DistError:
                 if time.monotonic() >= budget_end:
                     raise

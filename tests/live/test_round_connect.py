@@ -11,6 +11,8 @@ behind it for the stale one, the real channel files and ``LiveWorld``.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -26,6 +28,7 @@ from slurm_elastic.errors import RoundSupersededError
 from slurm_elastic.live import ElasticState, auth, roster
 from slurm_elastic.live.world import LiveWorld, is_peer_failure
 from slurm_elastic.privatefs import ensure_private_dir
+from tests.store_host import store_host
 
 
 def _free_port() -> int:
@@ -158,3 +161,47 @@ def test_a_starting_worker_whose_first_round_is_superseded_waits_for_its_agents_
         writer.cancel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_round_whose_store_host_is_frozen_is_skipped_for_the_newer_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A frozen host (SIGSTOP) still accepts the connection; torch's connect then waits
+    # for the answer to its ping with no timeout (docs/reliability.md). Before, a worker
+    # connecting to such a round waited until the host died or thawed; now a newer
+    # assignment ends the wait. Real parts: a TCPStore served by a stopped process.
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    live = _world(directory, monkeypatch)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    newer = _assignment(5, master.port)
+    outcome: list[BaseException | None] = []
+
+    def connect(stale: roster.Assignment) -> None:
+        try:
+            live._connect(stale)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    with store_host() as (host, port):
+        os.kill(host.pid, signal.SIGSTOP)
+        stale = _assignment(4, port)
+        roster.write_assignment(NodeChannel(directory), stale)
+        assert live._watch is not None and live._watch.poll(force=True) == stale
+        writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
+        started = time.monotonic()
+        writer.start()
+        # a thread: the code before this fix never returns
+        thread = threading.Thread(target=connect, args=(stale,), daemon=True)
+        thread.start()
+        thread.join(30)
+        took = time.monotonic() - started
+        finished = not thread.is_alive()  # before the host is killed (that ends it)
+        writer.cancel()
+    assert finished, f"the connect to a frozen host still waited after {took:.1f} s"
+    assert isinstance(outcome[0], RoundSupersededError), repr(outcome[0])
+    assert "round 5 is assigned" in str(outcome[0])
+    assert is_peer_failure(outcome[0])  # the loop waits for the next round
+    assert 1.0 <= took < 10.0, f"{took:.1f} s to give up on the frozen round"
