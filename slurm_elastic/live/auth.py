@@ -45,8 +45,9 @@ from typing import Any
 import torch.distributed as dist
 
 from slurm_elastic.envvars import KEY_FILE_ENV
-from slurm_elastic.errors import RoundSupersededError, UnsafeDirectoryError
+from slurm_elastic.errors import RoundSupersededError, StoreUnansweredError, UnsafeDirectoryError
 from slurm_elastic.privatefs import READ_FLAGS, SafeDir, publish_exclusive
+from slurm_elastic.rendezvous.bounded_call import call_bounded
 
 __all__ = [
     "KEY_BYTES",
@@ -208,6 +209,12 @@ class SealedStore(dist.Store):
             returns ends the wait with :class:`~slurm_elastic.errors.RoundSupersededError`
             (the round's group is forming and a newer round is assigned: the peers it
             waits for have gone on). ``None``: waits run their whole timeout.
+
+    With ``abandon``, every call that waits for the store's answer (``get``, ``wait``,
+    ``check``) runs on a helper thread (:func:`~slurm_elastic.rendezvous.bounded_call.
+    call_bounded`): a frozen host accepts requests and never answers them, and torch's
+    client then waits with no timeout, inside ``init_process_group`` too; ``abandon``
+    ends that wait as well.
     """
 
     def __init__(
@@ -224,15 +231,30 @@ class SealedStore(dist.Store):
         self._abandon = abandon
         self._warned: set[str] = set()
 
+    def _answer(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the inner store; abandoned as the round is (see the class)."""
+        abandon = self._abandon
+        if abandon is None:
+            return call()
+        try:
+            return call_bounded(
+                call,
+                limit_s=self._timeout.total_seconds() + WAIT_SLICE_S,
+                give_up=abandon,
+                slice_s=WAIT_SLICE_S,
+            )
+        except StoreUnansweredError as exc:
+            raise RoundSupersededError(f"{exc} (this round's store): giving it up") from None
+
     def set(self, key: str, value: Any) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
         self._inner.set(key, seal(self._key, key, data))
 
     def opened(self, key: str) -> bytes | None:
         """The value at ``key`` if it is there and opens; never waits."""
-        if not self._inner.check([key]):
+        if not self._answer(lambda: self._inner.check([key])):
             return None
-        value = unseal(self._key, key, self._inner.get(key))
+        value = unseal(self._key, key, self._answer(lambda: self._inner.get(key)))
         if value is None:
             self._warn(key)
         return value
@@ -242,7 +264,7 @@ class SealedStore(dist.Store):
             self.wait([key])  # the inner get would block the whole timeout
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
-            value = unseal(self._key, key, self._inner.get(key))
+            value = unseal(self._key, key, self._answer(lambda: self._inner.get(key)))
             if value is not None:
                 return value
             self._warn(key)
@@ -277,7 +299,7 @@ class SealedStore(dist.Store):
         while True:
             part = max(0.001, min(WAIT_SLICE_S, deadline - time.monotonic()))
             try:
-                self._inner.wait(keys, timedelta(seconds=part))
+                self._answer(lambda: self._inner.wait(keys, timedelta(seconds=part)))  # noqa: B023
                 return
             except dist.DistStoreError:  # this slice timed out
                 if time.monotonic() >= deadline:
@@ -289,7 +311,7 @@ class SealedStore(dist.Store):
                     ) from None
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
+        return bool(self._answer(lambda: self._inner.check(keys)))
 
     def add(self, key: str, amount: int) -> int:
         return int(self._inner.add(key, amount))

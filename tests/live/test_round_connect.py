@@ -205,3 +205,51 @@ def test_a_round_whose_store_host_is_frozen_is_skipped_for_the_newer_one(
     assert "round 5 is assigned" in str(outcome[0])
     assert is_peer_failure(outcome[0])  # the loop waits for the next round
     assert 1.0 <= took < 10.0, f"{took:.1f} s to give up on the frozen round"
+
+
+def test_a_group_forming_on_a_store_whose_host_froze_gives_up_for_the_newer_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store host freezes after the worker connected, while its group forms: torch's
+    # calls inside init_process_group (a timed-out wait cancels and waits for the answer)
+    # then wait with no timeout. Before, the worker waited there until the host died or
+    # thawed; now the sealed store's calls give up once a newer round is assigned.
+    keys = ensure_private_dir(tmp_path / "rdzv" / ".keys", root=tmp_path / "rdzv")
+    monkeypatch.setenv(auth.KEY_FILE_ENV, str(auth.load_or_create_key(keys, "run.key")))
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    live = _world(directory, monkeypatch)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    outcome: list[BaseException | None] = []
+
+    def join(forming: roster.Assignment, store: object) -> None:
+        try:
+            live._join(forming, store)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    try:
+        with store_host() as (host, port):
+            forming = roster.Assignment(5, 0, 2, 0, 0, 2, "127.0.0.1", port)
+            roster.write_assignment(NodeChannel(directory), forming)
+            store = live._connect(forming)  # the host still answers
+            os.kill(host.pid, signal.SIGSTOP)
+            newer = roster.Assignment(6, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
+            writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
+            started = time.monotonic()
+            writer.start()
+            thread = threading.Thread(target=join, args=(forming, store), daemon=True)
+            thread.start()
+            thread.join(30)
+            took = time.monotonic() - started
+            finished = not thread.is_alive()  # before the host is killed (that ends it)
+            writer.cancel()
+        assert finished, f"the group formation on a frozen host still waited after {took:.1f} s"
+        assert outcome[0] is not None and is_peer_failure(outcome[0]), repr(outcome[0])
+        assert "round 6 is assigned" in str(outcome[0])
+        assert 1.0 <= took < 10.0, f"{took:.1f} s to give up on the frozen round"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
