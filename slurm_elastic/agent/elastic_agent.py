@@ -159,6 +159,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._last_state = WorkerState.INIT
         self._leaving_since: float | None = None
         self._left = False
+        self._loss_round = -1  # the newest round formed after a loss (Assignment.loss_round)
 
     # -- rendezvous ---------------------------------------------------------------------
 
@@ -420,6 +421,8 @@ class SlurmElasticAgent(LocalElasticAgent):
         for worker in worker_group.workers:
             worker.id = pids[worker.local_rank]  # same processes, new ranks
         round_ = _round_of(worker_group.spec.rdzv_handler)
+        if after_loss:
+            self._loss_round = round_
         for worker in worker_group.workers:
             roster.write_assignment(
                 self._channel,
@@ -433,6 +436,7 @@ class SlurmElasticAgent(LocalElasticAgent):
                     master_addr=str(worker_group.master_addr),
                     master_port=int(worker_group.master_port or 0),
                     after_loss=after_loss,
+                    loss_round=self._loss_round,
                 ),
             )
         worker_group.state = WorkerState.HEALTHY

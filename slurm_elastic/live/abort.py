@@ -18,10 +18,14 @@ their connections to this process closed too, so one survivor's abort frees the 
 blocked in C++ with the GIL released):
 
 1. the agent wrote an assignment for a newer round *after its round lost a member*
-   (:attr:`~slurm_elastic.live.roster.Assignment.after_loss`: a member left or was
-   evicted; a later round for a newcomer does not undo that), and
+   (:attr:`~slurm_elastic.live.roster.Assignment.loss_round`, newer than the group's
+   round: a member left or was evicted; a later round for a newcomer carries it on), and
 2. the main thread has not passed a step boundary for longer than
    ``max(min_stall_s, stall_factor x the longest of the recent steps)``.
+
+The thread looks at the assignment only once 2 holds, and sleeps until then (at most
+1 s at a time): while steps come it wakes about once a second, not every ``poll_s``
+(each wake takes the GIL from the training loop's thread).
 
 Both are needed: a graceful join or leave also brings a newer round, but the survivors
 keep stepping through it (2 is false); a long step during a join is not stalled on a
@@ -60,6 +64,8 @@ log = logging.getLogger(__name__)
 
 # Step durations remembered for the stall threshold.
 _RECENT_STEPS = 32
+# While steps come, the thread sleeps until the next one is overdue, at most this long.
+_MAX_SLEEP_S = 1.0
 # tcpi_state of an established connection (linux/tcp_states.h: TCP_ESTABLISHED).
 _TCP_ESTABLISHED = 1
 
@@ -201,7 +207,6 @@ class StallGuard:
         self._watch: roster.AssignmentWatch | None = None
         self._sockets: frozenset[int] = frozenset()
         self._round = -1
-        self._loss: roster.Assignment | None = None
         self._last_beat = 0.0
         self._steps: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
         self._stop = threading.Event()
@@ -219,7 +224,6 @@ class StallGuard:
             self._watch = roster.AssignmentWatch(
                 self._channel, self._local_rank, round_, min_interval_s=0.0
             )
-            self._loss = None
             self._aborted = None
             self._last_beat = self._clock()
             self._steps.clear()
@@ -261,11 +265,24 @@ class StallGuard:
     # -- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
+        while not self._stop.wait(self.next_look_s()):
             try:
                 self.check()
             except Exception as exc:  # the guard must never take the worker down
                 log.warning("stall guard check failed: %s", exc)
+
+    def next_look_s(self) -> float:
+        """How long the thread sleeps before its next look: ``poll_s`` once a step is
+        overdue (or after an abort), else until it would be, at most 1 s (or ``poll_s``
+        if that is longer)."""
+        longest = max(self._poll_s, _MAX_SLEEP_S)
+        with self._lock:
+            if self._aborted is not None:
+                return self._poll_s
+            if self._watch is None:
+                return longest
+            due = self._last_beat + self.threshold_s() - self._clock()
+        return min(max(self._poll_s, due), longest)
 
     def check(self) -> bool:
         """One look (the thread's body); return whether it aborted the collective.
@@ -291,14 +308,12 @@ class StallGuard:
             watch = self._watch
             if watch is None:
                 return False
-            newer = watch.poll()
-            if newer is not None and newer.after_loss and self._loss is None:
-                self._loss = newer  # stays: a newcomer's round after it changes nothing
-            if self._loss is None or newer is None:
-                return False
             stalled = self._clock() - self._last_beat
             threshold = self.threshold_s()
             if stalled <= threshold:
+                return False  # the assignment is read only when a step is overdue
+            newer = watch.poll()
+            if newer is None or not (newer.after_loss or newer.loss_round > self._round):
                 return False
             closed = shut_down_sockets(self._sockets)
             old_round = self._round

@@ -100,6 +100,10 @@ class Assignment:
         after_loss: the agent formed this round because its previous round lost a
             member (left or evicted), not for a newcomer alone. A worker stalled in a
             collective may then abort it (:mod:`slurm_elastic.live.abort`).
+        loss_round: the newest round the agent formed after a loss (this one when
+            ``after_loss``; ``-1``: none). Carried into later rounds, so a worker still
+            in an older round learns of a loss it never saw an assignment of (a
+            newcomer's round overwrote it: the stall guard looks only when overdue).
     """
 
     round: int
@@ -111,6 +115,7 @@ class Assignment:
     master_addr: str
     master_port: int
     after_loss: bool = False
+    loss_round: int = -1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Assignment:
@@ -119,7 +124,8 @@ class Assignment:
         Every number must be an ``int`` (not a bool, a float or a string) in its range:
         ``0 <= rank < world_size <= 2**20``, local and group ranks likewise, the round in
         ``[0, 2**31)``, the port in ``[0, 65535]``; the address a string of at most 255
-        characters; ``after_loss``, if present, a bool.
+        characters; ``after_loss``, if present, a bool; ``loss_round``, if present, in
+        ``[-1, round]``.
 
         Raises:
             ValueError: a field is missing, has the wrong type or is out of range.
@@ -135,7 +141,10 @@ class Assignment:
                 master_addr=_str_field(data, "master_addr", _MAX_ADDR_CHARS),
                 master_port=_int_field(data, "master_port", 0, _MAX_PORT),
                 after_loss=_bool_field(data, "after_loss", default=False),
+                loss_round=_int_field({"loss_round": -1, **data}, "loss_round", -1, _MAX_ROUND),
             )
+            if result.loss_round > result.round:
+                raise ValueError(f"loss_round={result.loss_round} is after round={result.round}")
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed assignment {_short(dict(data))}: {exc}") from exc
         if not 0 <= result.rank < result.world_size:

@@ -40,8 +40,15 @@ def connection() -> Iterator[tuple[socket.socket, socket.socket, frozenset[int]]
         s.close()
 
 
-def assignment(round_: int, *, after_loss: bool) -> roster.Assignment:
-    return roster.Assignment(round_, 0, 2, 0, 0, 1, "127.0.0.1", 1234, after_loss=after_loss)
+def assignment(
+    round_: int, *, after_loss: bool, loss_round: int | None = None
+) -> roster.Assignment:
+    """As the agent writes it: a round formed after a loss is its own ``loss_round``."""
+    if loss_round is None:
+        loss_round = round_ if after_loss else -1
+    return roster.Assignment(
+        round_, 0, 2, 0, 0, 1, "127.0.0.1", 1234, after_loss=after_loss, loss_round=loss_round
+    )
 
 
 def test_shutting_down_the_group_sockets_ends_the_peers_read(connection) -> None:
@@ -94,8 +101,13 @@ def test_guard_aborts_only_a_stall_after_a_lost_member(tmp_path: Path, connectio
         clock.now += 1.4
         roster.write_assignment(NodeChannel(tmp_path), assignment(7, after_loss=True))
         assert not guard.check()  # a member was lost but this worker still steps
+        # a newcomer's round overwrites round 7's assignment; the agent carries the loss
         roster.write_assignment(NodeChannel(tmp_path), assignment(8, after_loss=False))
         clock.now += 0.2
+        assert not guard.check()  # (an assignment that did not carry it: no loss seen)
+        roster.write_assignment(
+            NodeChannel(tmp_path), assignment(8, after_loss=False, loss_round=7)
+        )
         assert guard.check()  # stalled 1.6 s > 1.5 s, a loss since round 6: abort
         assert server.recv(1) == b""
         assert not guard.check() and guard.aborts == 1  # once per group
@@ -126,6 +138,43 @@ def test_after_loss_is_optional_and_must_be_a_bool() -> None:
     assert roster.Assignment.from_dict(data).after_loss is False  # older agents
     with pytest.raises(ValueError, match="after_loss='yes' is not true or false"):
         roster.Assignment.from_dict({**data, "after_loss": "yes"})
+
+
+def test_loss_round_is_optional_and_not_after_the_round() -> None:
+    data = assignment(5, after_loss=False, loss_round=3).as_dict()
+    assert roster.Assignment.from_dict(data).loss_round == 3
+    del data["loss_round"]
+    assert roster.Assignment.from_dict(data).loss_round == -1  # older agents: none
+    with pytest.raises(ValueError, match="loss_round=6 is after round=5"):
+        roster.Assignment.from_dict({**data, "loss_round": 6})
+    with pytest.raises(ValueError, match="loss_round=True is not an integer"):
+        roster.Assignment.from_dict({**data, "loss_round": True})
+
+
+def test_the_guard_sleeps_until_a_step_is_overdue(tmp_path: Path, connection) -> None:
+    """While steps come, the thread wakes about once a second, not every ``poll_s``
+    (each wake takes the GIL from the training loop): it reads nothing before a step is
+    overdue, and once it is, it looks every ``poll_s``."""
+    _client, _server, mine = connection
+    clock = Clock()
+    guard = StallGuard(NodeChannel(tmp_path), 0, min_stall_s=1.0, poll_s=0.05, clock=clock)
+    try:
+        assert guard.next_look_s() == 1.0  # disarmed: nothing to watch
+        guard.arm(5, mine)
+        for _ in range(3):  # steps of 0.2 s: threshold max(1, 3 x 0.2) = 1 s
+            clock.now += 0.2
+            guard.beat()
+        assert guard.next_look_s() == pytest.approx(1.0)  # the next step is due in 1 s
+        clock.now += 0.7
+        assert guard.next_look_s() == pytest.approx(0.3)
+        clock.now += 0.3
+        assert guard.next_look_s() == 0.05  # overdue: every poll_s
+        for _ in range(4):  # steps of 2 s: threshold 6 s, but sleeps are capped at 1 s
+            clock.now += 2.0
+            guard.beat()
+        assert guard.next_look_s() == 1.0
+    finally:
+        guard.close()
 
 
 def test_bad_stall_bounds_get_clear_errors(tmp_path: Path) -> None:
