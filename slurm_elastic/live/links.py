@@ -9,15 +9,19 @@ failed (:func:`abandon`).
 
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 
 from slurm_elastic.errors import PeerLostError
 from slurm_elastic.live.abort import connection_lost, shut_down_sockets, tcp_connections
 
-__all__ = ["abandon", "forget", "is_gloo", "is_peer_failure", "record"]
+__all__ = ["abandon", "bury", "forget", "is_gloo", "is_peer_failure", "prune", "record"]
 
 #: the established connections of the current gloo group (empty: none, or not gloo)
 _connections: frozenset[int] = frozenset()
+#: failed groups' objects, each kept until its monotonic deadline (see :func:`bury`)
+_buried: list[tuple[float, object]] = []
 
 
 def is_gloo(backend: str) -> bool:
@@ -47,9 +51,39 @@ def abandon() -> int:
     ``timeout_s``, and the group's destructor joins the thread running it while holding
     the GIL (so nothing else in the worker runs meanwhile, not even the stall guard).
     Shutting the connections down ends it as a peer's death would (``live/abort.py``);
-    the group is not used again.
+    the group is not used again. Not always: a send waiting for its peer's
+    ready-to-receive can wait out its timeout all the same (seen in
+    ``tests/e2e/test_slurm_e2e.py``'s fault-tolerant case, 2026-12-05), so the failed
+    group's objects are kept (:func:`bury`) rather than destroyed on the way.
     """
     return shut_down_sockets(_connections)
+
+
+def bury(remains: object, timeout_s: float) -> None:
+    """Keep a failed gloo group's process groups referenced for ``timeout_s``: the
+    group's operations' own timeout, after which none of them can still run.
+
+    The last reference to a gloo group runs its destructor, which joins the threads
+    of its operations while holding the GIL. After a failure one of them can still
+    wait (see :func:`abandon`): a worker whose old DDP wrapper (its reducer held the
+    group) was dropped after the new group formed hung there until that operation timed
+    out (``timeout_s``; its peers blocked in their next collective meanwhile; the stacks:
+    docs/live.md, Limits). Kept here, the groups outlive the wrapper (whose
+    reducer goes at once, its autograd hooks with it) and are released by :func:`prune`
+    at a step boundary once their time has passed: a group's handles, no tensor.
+    """
+    _buried.append((time.monotonic() + timeout_s, remains))
+
+
+def prune() -> int:
+    """Release what :func:`bury` kept whose time has passed; return how many remain."""
+    if not _buried:
+        return 0
+    now = time.monotonic()
+    kept = [entry for entry in _buried if entry[0] > now]
+    if len(kept) < len(_buried):
+        _buried[:] = kept  # the released objects' destructors run here: nothing waits
+    return len(_buried)
 
 
 def is_peer_failure(exc: BaseException) -> bool:

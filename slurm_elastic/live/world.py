@@ -380,8 +380,9 @@ class LiveWorld:
             self._watch.current_round = a.round
         self._pending = None
 
-    def teardown(self) -> None:
-        """Leave the current group in the safe order (idempotent)."""
+    def teardown(self, failed: bool = False) -> None:
+        """Leave the current group in the safe order (idempotent); a ``failed`` gloo
+        group's objects are kept for its timeout (:func:`links.bury`)."""
         # A gloo group freed from DDP's reducer can deadlock: hold the group, drop the
         # wrapper, destroy, then drop the group.
         if self._guard is not None:
@@ -389,6 +390,8 @@ class LiveWorld:
         group = dist.group.WORLD if dist.is_initialized() else None
         # FSDP: the mesh's groups, held like the world's (the module references them)
         held = self.sharding.release() if self.sharding is not None else []
+        if failed and links.is_gloo(self.backend) and (group is not None or held):
+            links.bury((group, held), self.timeout.total_seconds() + 5.0)
         self._ddp = None
         if group is not None:
             dist.destroy_process_group()
@@ -400,6 +403,7 @@ class LiveWorld:
         """A step boundary passed on the current group (for the stall guard)."""
         if self._guard is not None:
             self._guard.beat()
+        links.prune()  # failed groups kept past their timeout (links.bury)
 
     def close(self) -> None:
         """Leave the group and stop the stall guard's thread; after a finished training,
@@ -527,7 +531,7 @@ class LiveWorld:
                 failed_step, self.round, self.world_size, self.state.last_commit(),
                 saved=self.saved_step,
             )  # fmt: skip
-        self.teardown()
+        self.teardown(failed=True)
         if self.sharding is None and keep_live:
             self.state.commit((self.round, failed_step))
         elif self.sharding is None:
@@ -554,7 +558,7 @@ class LiveWorld:
                 break
             log.warning("re-forming round %d failed (%s); waiting again", latest.round, failure)
             self._failed_rounds.add(latest.round)
-            self.teardown()
+            self.teardown(failed=True)
             self.state.restore()
         took = time.monotonic() - started
         step = int(self.state.progress["step"])
