@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,6 +56,37 @@ def _world(directory: Path, monkeypatch: pytest.MonkeyPatch) -> LiveWorld:
 
 def _assignment(round_: int, port: int) -> roster.Assignment:
     return roster.Assignment(round_, 0, 1, 0, 0, 1, "127.0.0.1", port)
+
+
+def _call_until_given_up(
+    call: Callable[[], object], newer: roster.Assignment, directory: Path
+) -> tuple[BaseException | None, float]:
+    """Write ``newer`` 1 s from now and run ``call`` on a thread (the code before the
+    fixes never returned): what it raised (``None``: it returned) and after how long.
+
+    Raises:
+        AssertionError: still waiting after 30 s.
+    """
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
+    started = time.monotonic()
+    writer.start()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    took = time.monotonic() - started
+    writer.cancel()
+    assert not thread.is_alive(), f"still waiting on the frozen host after {took:.1f} s"
+    return outcome[0], took
 
 
 def test_a_stale_round_whose_store_is_gone_is_skipped_for_the_newer_one(
@@ -175,35 +207,15 @@ def test_a_round_whose_store_host_is_frozen_is_skipped_for_the_newer_one(
     live = _world(directory, monkeypatch)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
     newer = _assignment(5, master.port)
-    outcome: list[BaseException | None] = []
-
-    def connect(stale: roster.Assignment) -> None:
-        try:
-            live._connect(stale)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
-    with store_host() as (host, port):
+    with store_host() as (host, port):  # the host is killed on the way out
         os.kill(host.pid, signal.SIGSTOP)
         stale = _assignment(4, port)
         roster.write_assignment(NodeChannel(directory), stale)
         assert live._watch is not None and live._watch.poll(force=True) == stale
-        writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
-        started = time.monotonic()
-        writer.start()
-        # a thread: the code before this fix never returns
-        thread = threading.Thread(target=connect, args=(stale,), daemon=True)
-        thread.start()
-        thread.join(30)
-        took = time.monotonic() - started
-        finished = not thread.is_alive()  # before the host is killed (that ends it)
-        writer.cancel()
-    assert finished, f"the connect to a frozen host still waited after {took:.1f} s"
-    assert isinstance(outcome[0], RoundSupersededError), repr(outcome[0])
-    assert "round 5 is assigned" in str(outcome[0])
-    assert is_peer_failure(outcome[0])  # the loop waits for the next round
+        raised, took = _call_until_given_up(lambda: live._connect(stale), newer, directory)
+    assert isinstance(raised, RoundSupersededError), repr(raised)
+    assert "round 5 is assigned" in str(raised)
+    assert is_peer_failure(raised)  # the loop waits for the next round
     assert 1.0 <= took < 10.0, f"{took:.1f} s to give up on the frozen round"
 
 
@@ -220,35 +232,18 @@ def test_a_group_forming_on_a_store_whose_host_froze_gives_up_for_the_newer_roun
     directory.mkdir(mode=0o700)
     live = _world(directory, monkeypatch)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
-    outcome: list[BaseException | None] = []
-
-    def join(forming: roster.Assignment, store: object) -> None:
-        try:
-            live._join(forming, store)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
     try:
-        with store_host() as (host, port):
+        with store_host() as (host, port):  # the host is killed on the way out
             forming = roster.Assignment(5, 0, 2, 0, 0, 2, "127.0.0.1", port)
             roster.write_assignment(NodeChannel(directory), forming)
             store = live._connect(forming)  # the host still answers
             os.kill(host.pid, signal.SIGSTOP)
             newer = roster.Assignment(6, 0, 1, 0, 0, 1, "127.0.0.1", master.port)
-            writer = threading.Timer(1.0, roster.write_assignment, (NodeChannel(directory), newer))
-            started = time.monotonic()
-            writer.start()
-            thread = threading.Thread(target=join, args=(forming, store), daemon=True)
-            thread.start()
-            thread.join(30)
-            took = time.monotonic() - started
-            finished = not thread.is_alive()  # before the host is killed (that ends it)
-            writer.cancel()
-        assert finished, f"the group formation on a frozen host still waited after {took:.1f} s"
-        assert outcome[0] is not None and is_peer_failure(outcome[0]), repr(outcome[0])
-        assert "round 6 is assigned" in str(outcome[0])
+            raised, took = _call_until_given_up(
+                lambda: live._join(forming, store), newer, directory
+            )
+        assert raised is not None and is_peer_failure(raised), repr(raised)
+        assert "round 6 is assigned" in str(raised)
         assert 1.0 <= took < 10.0, f"{took:.1f} s to give up on the frozen round"
     finally:
         if dist.is_initialized():
