@@ -287,16 +287,19 @@ class StallGuard:
     def check(self) -> bool:
         """One look (the thread's body); return whether it aborted the collective.
 
-        An abort that found no connection left to shut down must see the main thread
-        leave (it raises, the loop re-forms: :meth:`disarm`) within ``stuck_s``. gloo
-        does not always fail an operation whose connections closed: a send waiting for
-        its peer's ready-to-receive can wait out the whole ``timeout_s`` (seen on a node
-        thawed after its eviction: its peers had closed every connection). Then the
-        worker exits (status 1): its agent restarts the node's workers, which join the
-        next round as newcomers and take the state from their peers, instead of the
-        whole job waiting ``timeout_s`` for this node. (An abort that shut connections
-        down leaves a worker busy elsewhere, e.g. in a long validation, to find the
-        failure at its next collective, as before.)
+        After an abort the main thread must leave the step (it raises, the loop
+        re-forms: :meth:`disarm`; or it reaches a step boundary: :meth:`beat`) within
+        ``stuck_s``. gloo does not always fail an operation whose connections closed: a
+        send waiting for its peer's ready-to-receive can wait out the whole
+        ``timeout_s``, both when the abort found nothing left to shut down (a node
+        thawed after its eviction: its peers had closed every connection) and when it
+        shut connections down (a ring all-reduce's ``UnboundBuffer::waitSend``, seen in
+        the Slurm e2e case). Then the worker exits (status 1): its agent restarts the
+        node's workers, which join the next round as newcomers and take the state from
+        their peers, instead of the whole job waiting ``timeout_s`` for this node. A
+        worker busy outside collectives for longer than ``stuck_s`` after an abort (a
+        long validation without a collective) exits too: it cannot be told from a
+        stuck one, and rejoining costs a newcomer's start, not ``timeout_s``.
         """
         with self._lock:
             if self._aborted is not None:
@@ -319,9 +322,8 @@ class StallGuard:
             old_round = self._round
             self._watch = None  # once per group
             self._sockets = frozenset()
-            # nothing left to shut down: if the main thread is in the collective, only
-            # gloo's own timeout would end it (see below); else it is busy elsewhere
-            self._aborted = (self._clock(), old_round, newer.round) if closed == 0 else None
+            # the main thread must leave the step within stuck_s (see above)
+            self._aborted = (self._clock(), old_round, newer.round)
             self.aborts += 1
         log.warning(
             "no step for %.1f s (threshold %.1f s) and round %d lost a member (round %d "
@@ -341,8 +343,9 @@ class StallGuard:
 
     def _stuck(self, old_round: int, new_round: int) -> None:
         log.error(
-            "the collective of round %d did not end within %.1f s of its abort (gloo left "
-            "an operation waiting after its connections closed): exiting so the agent "
+            "the step of round %d did not end within %.1f s of its collective's abort "
+            "(gloo left an operation waiting after its connections closed, or the step "
+            "runs no collective for that long): exiting so the agent "
             "restarts this node's workers; they rejoin in round %d or later with the "
             "state of their peers",
             old_round,

@@ -187,20 +187,22 @@ def test_bad_stall_bounds_get_clear_errors(tmp_path: Path) -> None:
 
 
 def test_a_collective_that_outlives_its_abort_ends_the_worker(tmp_path: Path, connection) -> None:
-    """gloo may leave a send waiting after its connections closed (seen on a node thawed
-    after its eviction: nothing left to shut down): ``stuck_s`` after such an abort, with
-    the main thread still in the collective, the worker exits for its agent to restart
-    it. Leaving the collective in time keeps it alive, and so does an abort that shut
-    connections down (the worker may be busy elsewhere: its next collective fails)."""
+    """gloo may leave a send waiting after its connections closed, whether the abort found
+    nothing left to shut down (a node thawed after its eviction) or shut connections down
+    (a ring all-reduce's ``waitSend``, seen in the Slurm e2e case): ``stuck_s`` after an
+    abort, with the main thread still in its step, the worker exits for its agent to
+    restart it. Leaving the step in time (the collective raised: ``disarm``/``arm``; or a
+    step boundary: ``beat``) keeps it alive."""
     _client, _server, mine = connection
     clock = Clock()
     exits: list[int] = []
     guard = StallGuard(NodeChannel(tmp_path), 0, poll_s=3600, stuck_s=10.0, clock=clock,
                        exit=exits.append)  # fmt: skip
     try:
-        cases = ((1, frozenset(), "disarm"), (3, frozenset(), "arm"), (5, mine, None),
-                 (7, frozenset(), None))  # fmt: skip
+        cases = ((1, frozenset(), "disarm"), (3, frozenset(), "arm"), (5, frozenset(), "beat"),
+                 (7, mine, None), (9, frozenset(), None))  # fmt: skip
         for round_, sockets, leave in cases:
+            exits.clear()
             guard.arm(round_, sockets)
             roster.write_assignment(NodeChannel(tmp_path), assignment(round_ + 1, after_loss=True))
             clock.now += 5.0
@@ -211,9 +213,12 @@ def test_a_collective_that_outlives_its_abort_ends_the_worker(tmp_path: Path, co
                 guard.disarm()  # the collective raised; the group is torn down
             elif leave == "arm":
                 guard.arm(round_ + 1, frozenset())
-            clock.now += 50.0 if sockets else 2.0
+            elif leave == "beat":
+                guard.beat()  # the step ended after all
+            clock.now += 2.0
             assert not guard.check()
-            assert exits == ([1] if round_ == 7 else []), round_  # still in it, 11 s on
-        assert not guard.check() and exits == [1]  # once
+            assert exits == ([] if leave else [1]), round_  # still in it 11 s on: exits
+            clock.now += 50.0
+            assert not guard.check() and exits == ([] if leave else [1]), round_  # once
     finally:
         guard.close()
