@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the session's vote_interval_s (default: the session's default)",
     )  # fmt: skip
     p.add_argument(
+        "--ab-cadence", choices=["session", "wall"], default="session",
+        help="ab: the clock of the session's vote cadence: 'session' leaves the plain "
+        "blocks out (a real run has nothing between its steps), 'wall' counts them",
+    )  # fmt: skip
+    p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",
         help="cuda: the model and data on cuda:LOCAL_RANK, NCCL (one rank per GPU)",
     )  # fmt: skip
@@ -239,6 +244,21 @@ def threads_cpu_s() -> dict[str, float]:
     return used
 
 
+def counting_cadence(interval_s: float, clock: Any = None) -> Any:
+    """The session's vote cadence (``Cadence``, on ``clock`` if given), counting the
+    votes held (``.votes``)."""
+    from slurm_elastic.live.boundary import Cadence
+
+    class Counting(Cadence):
+        votes = 0
+
+        def agreed(self, step: int, round_: int, steps: int) -> None:
+            self.votes += 1
+            super().agreed(step, round_, steps)
+
+    return Counting(interval_s) if clock is None else Counting(interval_s, clock=clock)
+
+
 def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
     """Both loops in the same processes, alternating blocks of ``--block`` steps.
 
@@ -258,6 +278,12 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
         fsdp=fsdp_config(args), backend=backend_of(args), ddp_kwargs=ddp_kwargs(args),
         **vote_options(args),
     )  # fmt: skip
+    # The cadence fixes the steps between votes from the time between boundaries; here
+    # that time would include the plain blocks between the session's (about twice a
+    # real run's step, so twice as many votes per step): its clock leaves them out.
+    paused = [0.0]
+    clock = (lambda: time.perf_counter() - paused[0]) if args.ab_cadence == "session" else None
+    session.cadence = cadence = counting_cadence(session.cadence.interval_s, clock=clock)
     session.start()
     if args.fsdp:
         ddp, plain_opt = shard_plain(plain_model, args)
@@ -279,6 +305,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
         for _ in session.batches():
             if session.step_count % args.block == 0:  # a plain block first
                 block = session.step_count // args.block
+                pause = time.perf_counter()
                 sync(args)
                 dist.barrier()
                 start = time.perf_counter()
@@ -294,6 +321,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
                 blocks["plain"].append((block, start, time.perf_counter()))
                 dist.barrier()
                 session_start = time.perf_counter()
+                paused[0] += session_start - pause
             block = session.step_count // args.block
             t0 = time.perf_counter()
             with session.step() as s:
@@ -315,6 +343,7 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
         name: cpu - threads_before.get(name, 0.0) for name, cpu in threads_cpu_s().items()
     }
     out["session_steps"] = len(session_marks)
+    out["votes"] = cadence.votes
     session.finish()
     del ddp
     session.close()
