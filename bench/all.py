@@ -40,6 +40,7 @@ BENCHES = {
     "recovery": "bench/recovery.py",
     "goodput": "bench/goodput.py",  # needs the local Slurm cluster with all 4 nodes idle
     "overhead": "bench/overhead.py",
+    "vote_cost": "bench/vote_cost.py",
 }
 
 
