@@ -76,6 +76,13 @@ the worker): the same-processes run with the copies in the background
 waited for at its boundary, as a synchronous copy would (``..._waited_...``,
 reported); mean block times, so the periodic cost counts in full.
 
+**The FSDP example's transformer** (``--arch transformer``): the ``TinyTransformer`` of
+``examples/train_fsdp.py`` instead of the MLP, at the worker's ``TRANSFORMER`` size (4
+blocks of width 128, 4 heads, 32 tokens, vocabulary 256: 0.6 M parameters, a 40 ms DDP
+step here; the example's defaults are a 2-block, 16-wide toy whose step is a few ms),
+its cross-entropy loss and data; FSDP2's units are its blocks, then the root. Every case
+above runs on it the same way.
+
 **On a GPU** (``--device cuda``): the model and data on ``cuda:LOCAL_RANK``, NCCL, one
 worker per GPU up to 2 (NCCL refuses two ranks on one GPU: a 1-GPU machine runs one
 worker, so the ranks' skew and the cross-rank traffic are not measured), blocks timed
@@ -127,12 +134,15 @@ class Launch:
     width: int = 2048
     vote_interval: float | None = None
     ab_cadence: str = "session"
+    arch: str = "mlp"
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device": self.device, "workers": self.workers,
                                 "launcher": self.launcher, "width": self.width}  # fmt: skip
         if self.vote_interval is not None:
             info["vote_interval_s"] = self.vote_interval
+        if self.arch != "mlp":
+            info["arch"] = self.arch
         if self.ab_cadence != "session":
             info["ab_cadence"] = self.ab_cadence
         if self.device == "cuda":
@@ -169,7 +179,8 @@ def run_once(
         ]  # fmt: skip
     argv = [
         *launcher, str(WORKER), mode, str(out), "--steps", str(steps), "--global-batch",
-        str(batch), "--device", LAUNCH.device, "--width", str(LAUNCH.width), *extra,
+        str(batch), "--device", LAUNCH.device, "--width", str(LAUNCH.width),
+        "--model", LAUNCH.arch, *extra,
     ]  # fmt: skip
     if LAUNCH.vote_interval is not None:
         argv += ["--vote-interval", str(LAUNCH.vote_interval)]
@@ -457,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     ap.add_argument("--vote-interval", type=float, default=None,
                     help="the session's vote_interval_s (default: its default)")  # fmt: skip
+    ap.add_argument("--arch", choices=["mlp", "transformer"], default="mlp",
+                    help="transformer: examples/train_fsdp.py's model at the worker's "
+                    "TRANSFORMER size instead of the MLP")  # fmt: skip
     ap.add_argument("--ab-cadence", choices=["session", "wall"], default="session",
                     help="the same-processes runs: the clock of the session's vote cadence "
                     "('wall' counts the plain blocks between its steps too)")  # fmt: skip
@@ -471,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     LAUNCH.device, LAUNCH.workers = args.device, workers or 2
     LAUNCH.launcher, LAUNCH.width = args.launcher, args.width
     LAUNCH.vote_interval, LAUNCH.ab_cadence = args.vote_interval, args.ab_cadence
+    LAUNCH.arch = args.arch
     if "copies" in args.models and LAUNCH.workers < 2:
         ap.error(f"--models={args.models!r}: neighbour copies need 2 workers, "
                  f"not {LAUNCH.workers} (drop copies)")  # fmt: skip

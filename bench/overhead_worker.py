@@ -60,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the session's vote_interval_s (default: the session's default)",
     )  # fmt: skip
     p.add_argument(
+        "--model", choices=["mlp", "transformer"], default="mlp",
+        help="transformer: the TinyTransformer of examples/train_fsdp.py (TRANSFORMER)",
+    )  # fmt: skip
+    p.add_argument(
         "--ab-cadence", choices=["session", "wall"], default="session",
         help="ab: the clock of the session's vote cadence: 'session' leaves the plain "
         "blocks out (a real run has nothing between its steps), 'wall' counts them",
@@ -103,6 +107,29 @@ def ddp_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 LINEARS = (0, 2, 4)  # the Linear layers of the Sequential: FSDP2's units
+# --model transformer: examples/train_fsdp.py's model at this size (its defaults are a
+# 2-layer, 16-wide toy whose step is a few ms: a host-bound case, not a training step)
+TRANSFORMER = {"vocab": 256, "seq": 32, "dim": 128, "heads": 4, "layers": 4}
+#: the model's parameter count (set by build)
+PARAMS = [0]
+
+
+def example(args: argparse.Namespace) -> tuple[Any, argparse.Namespace]:
+    """examples/train_fsdp.py and its arguments at the TRANSFORMER size."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import train_fsdp
+
+    ex = train_fsdp.parse_args([])
+    for key, value in TRANSFORMER.items():
+        setattr(ex, key, value)
+    ex.seed, ex.dataset_size = args.seed, args.global_batch * args.steps
+    return train_fsdp, ex
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """FSDP2's units: the MLP's Linear layers, or the transformer's blocks."""
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if blocks is not None else [model[i] for i in LINEARS]
 
 
 def fsdp_config(args: argparse.Namespace) -> Any:
@@ -115,7 +142,7 @@ def fsdp_config(args: argparse.Namespace) -> Any:
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # read when the session shards the model
     return FSDPConfig(
         build=lambda: build(args)[0],
-        shard_modules=lambda m: [m[i] for i in LINEARS],
+        shard_modules=units,
         copy_every=args.copy_every,
     )
 
@@ -127,8 +154,8 @@ def shard_plain(model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, 
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(args.device, (dist.get_world_size(),))
-    for i in LINEARS:
-        fully_shard(model[i], mesh=mesh)
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
@@ -139,18 +166,30 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, A
     torch.manual_seed(args.seed)
     f, w = args.features, args.width
     device = device_of(args)
-    model = nn.Sequential(nn.Linear(f, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, f))
-    model = model.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    gen = torch.Generator(device).manual_seed(args.seed + 1)
     size = args.global_batch * args.steps  # one epoch: no epoch boundary inside the run
-    x = torch.randn(size, f, generator=gen, device=device)
-    y = torch.randn(size, f, generator=gen, device=device)
+    if args.model == "transformer":
+        mod, ex = example(args)
+        model = mod.build_model(ex).to(device)
+        x, y = (t.to(device) for t in mod.synthetic_data(ex))
+        LOSS[0] = lambda m, xb, yb, scale: mod.loss_of(m, ex, xb, yb, scale)
+    else:
+        model = nn.Sequential(
+            nn.Linear(f, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, f)
+        ).to(device)
+        gen = torch.Generator(device).manual_seed(args.seed + 1)
+        x = torch.randn(size, f, generator=gen, device=device)
+        y = torch.randn(size, f, generator=gen, device=device)
+    PARAMS[0] = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     return model, opt, x, y
 
 
+#: the loss (set by build for the transformer: the example's cross-entropy)
+LOSS: list[Any] = [lambda model, x, y, scale: ((model(x) - y) ** 2).sum() * scale]
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, scale: float) -> None:
-    loss = ((model(x) - y) ** 2).sum() * scale
+    loss = LOSS[0](model, x, y, scale)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -408,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "bodies": [m[1] for m in marks],
         "ends": [m[2] for m in marks],
         "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "params": args.features * args.width * 2 + args.width**2 + 2 * args.width + args.features,
+        "params": PARAMS[0],
     }
     path = os.path.join(args.out, f"{args.mode}.{rank}.json")
     with open(f"{path}.tmp", "w") as fh:
