@@ -325,19 +325,22 @@ def copies_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def null_case(args: argparse.Namespace, d: Path) -> list[dict[str, Any]]:
-    """The same-processes method on two identical plain DDP loops (its null): the ratio
-    would be 1.000 with no bias and no noise; its distance from 1 is one run's resolution."""
+def null_case(args: argparse.Namespace, d: Path, fsdp: bool = False) -> list[dict[str, Any]]:
+    """The same-processes method on two identical plain DDP loops (plain FSDP2 loops with
+    ``fsdp``: ``--models null_fsdp``), its null: the ratio would be 1.000 with no bias and
+    no noise; its distance from 1 is one run's resolution."""
     steps = args.ab_steps or (100 if args.quick else 240)
     warmup = args.warmup if args.warmup is not None else (10 if args.quick else 20)
-    res = run_once("null", d, steps, args.global_batch, args.limit, ("--block", str(args.block)))
+    flags = ("--block", str(args.block), *(("--fsdp",) if fsdp else ()))
+    res = run_once("null", d, steps, args.global_batch, args.limit, flags)
     if "error" in res:
         print(f"# null: {res['error']}\n{res['log_tail']}", file=sys.stderr, flush=True)
-    common = {"model": "ddp", **LAUNCH.describe(), "steps": steps, "warmup": warmup,
-              "global_batch": args.global_batch, "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
+    common = {"model": "fsdp" if fsdp else "ddp", **LAUNCH.describe(), "steps": steps,
+              "warmup": warmup, "global_batch": args.global_batch,
+              "load_avg": round(os.getloadavg()[0], 2)}  # fmt: skip
     row = ab_case(res, max(1, warmup // args.block), common, args.block)
     ran = row["ratio"] is not None
-    row.update(case="plain_vs_plain_same_processes", ok=ran,
+    row.update(case=f"{'fsdp_' if fsdp else ''}plain_vs_plain_same_processes", ok=ran,
                target="reported (the method's null: 1 +- one run's noise)")  # fmt: skip
     return [row]
 
@@ -490,16 +493,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--models={args.models!r}: neighbour copies need 2 workers, "
                  f"not {LAUNCH.workers} (drop copies)")  # fmt: skip
     kinds = [k for k in args.models.split(",") if k]
-    unknown = sorted(set(kinds) - {"null", "ddp", "fsdp", "copies"})
+    unknown = sorted(set(kinds) - {"null", "null_fsdp", "ddp", "fsdp", "copies"})
     if unknown or not kinds:
-        ap.error(f"--models={args.models!r}: use some of null,ddp,fsdp,copies")
+        ap.error(f"--models={args.models!r}: use some of null,null_fsdp,ddp,fsdp,copies")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead-") as d:
         for kind in kinds:
             if kind == "copies":
                 rows += copies_case(args, Path(d))
-            elif kind == "null":
-                rows += null_case(args, Path(d))
+            elif kind in ("null", "null_fsdp"):
+                rows += null_case(args, Path(d), fsdp=kind == "null_fsdp")
             else:
                 rows += measure(kind, args, Path(d))
     for row in rows:

@@ -393,7 +393,8 @@ def run_ab(args: argparse.Namespace, out: dict[str, Any]) -> int:
 
 def run_null(args: argparse.Namespace, out: dict[str, Any]) -> int:
     """The null control of :func:`run_ab`: the same alternating blocks, each timed between
-    two barriers, but both loops plain DDP on two identical models (the first built takes
+    two barriers, but both loops plain DDP (or plain FSDP2 with ``--fsdp``) on two
+    identical models (the first built takes
     the plain loop's place, the second the session's). Its ratio would be 1 with no noise
     and no bias: its spread is what one same-processes run can resolve."""
     from torch.nn.parallel import DistributedDataParallel
@@ -403,7 +404,10 @@ def run_null(args: argparse.Namespace, out: dict[str, Any]) -> int:
     loops = []
     for _ in range(2):
         model, opt, x, y = build(args)
-        loops.append((DistributedDataParallel(model, **ddp_kwargs(args)), opt))
+        if args.fsdp:
+            loops.append(shard_plain(model, args))
+        else:
+            loops.append((DistributedDataParallel(model, **ddp_kwargs(args)), opt))
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed)).tolist()
     b, per = args.global_batch, args.global_batch // world
     blocks: dict[str, list[tuple[int, float, float]]] = {"plain": [], "session": []}
