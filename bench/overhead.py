@@ -445,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=2, help="steps per block of the ab run")
     ap.add_argument("--limit", type=float, default=180.0, help="seconds per launch")
     ap.add_argument("--models", default="null,ddp,fsdp,copies",
-                    help="null,ddp,fsdp,copies (null: the same-processes method on two "
-                    "identical plain DDP loops; FSDP2: --fsdp launches; copies: FSDP2's "
+                    help="some of null,null_fsdp,ddp,fsdp,copies (null: the same-processes "
+                    "method on two identical plain DDP loops, null_fsdp: on two plain FSDP2 "
+                    "loops; FSDP2: --fsdp launches; copies: FSDP2's "
                     "neighbour copies, each rank standing in for a node)")  # fmt: skip
     ap.add_argument("--ab-only", action="store_true", help="only the same-processes runs")
     ap.add_argument(
