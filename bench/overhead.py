@@ -51,7 +51,9 @@ The method's null control (``plain_vs_plain_same_processes``, ``--models null``,
 first): the same alternating blocks with both loops plain DDP on two identical models (the
 first built in the plain loop's place, the second in the session's). Its ratio would be 1
 with no bias and no noise; how far it lands from 1 is what one run can resolve, in the
-same run and on the same machine as the cases it qualifies (reported).
+same run and on the same machine as the cases it qualifies (reported). ``--models
+null_fsdp`` runs the same null on two plain FSDP2 loops
+(``fsdp_plain_vs_plain_same_processes``).
 
 Cases: ``session_vs_plain_same_processes`` (the ``ab`` run; target ours / plain <= 1.03,
 moonshot 1.01), ``session_vs_plain_whole_process`` (the same target),
