@@ -140,7 +140,9 @@ class Launch:
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device": self.device, "workers": self.workers,
-                                "launcher": self.launcher, "width": self.width}  # fmt: skip
+                                "launcher": self.launcher}  # fmt: skip
+        if self.arch == "mlp":
+            info["width"] = self.width  # the transformer's size is the worker's TRANSFORMER
         if self.vote_interval is not None:
             info["vote_interval_s"] = self.vote_interval
         if self.arch != "mlp":

@@ -116,7 +116,9 @@ PARAMS = [0]
 
 def example(args: argparse.Namespace) -> tuple[Any, argparse.Namespace]:
     """examples/train_fsdp.py and its arguments at the TRANSFORMER size."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:  # build() runs once per model
+        sys.path.insert(0, examples)
     import train_fsdp
 
     ex = train_fsdp.parse_args([])
