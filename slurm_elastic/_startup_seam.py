@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 #: The agent's phases: before its notice handler exists (``agent_start``), in a formed
 #: round before its workers start (``rendezvous``), and with its workers just started
-#: (``workers_start``).
-PHASES = ("agent_start", "rendezvous", "workers_start")
+#: (``workers_start``); a worker's: ``ElasticSession.start`` before it registers with its
+#: agent or joins its first group (``worker_open``).
+PHASES = ("agent_start", "rendezvous", "workers_start", "worker_open")
 MAX_PAUSE_S = 300.0
 _POLL_S = 0.02
 

@@ -32,7 +32,10 @@ is; this class plugs into its intended extension points:
      them, withdraw and leave at the switch, and new workers start if it is promoted.
   2. **notice before a restart**: a membership restart of workers that cannot re-form
      in place first gives them the preemption notice and waits for them to save and
-     exit (``shutdown_timeout_s``), so a scale-up loses no step;
+     exit (``shutdown_timeout_s``), so a scale-up loses no step. Workers still starting
+     (not registered as live) are not restarted for newcomers while no member was
+     lost: the change waits for them to go live, at most ``shutdown_timeout_s`` after
+     their start, then re-forms in place (:meth:`_defer_for_starting_workers`);
   3. **events** for restarts, re-formations, hangs and the end.
 
 * ``_assign_worker_ranks`` reads the round's store through
@@ -160,6 +163,8 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._leaving_since: float | None = None
         self._left = False
         self._loss_round = -1  # the newest round formed after a loss (Assignment.loss_round)
+        self._workers_started_at: float | None = None  # monotonic, the last worker start
+        self._deferring_since: float | None = None  # a membership change waits for them
 
     # -- rendezvous ---------------------------------------------------------------------
 
@@ -228,6 +233,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         try:
             with warm_starts(warm):
                 started = super()._start_workers(worker_group)
+            self._workers_started_at = time.monotonic()
         finally:
             if warm is not None:
                 warm.close()
@@ -376,8 +382,12 @@ class SlurmElasticAgent(LocalElasticAgent):
             return  # this node left: no new round for it
         membership = not charged and self._last_state == WorkerState.HEALTHY
         if membership and self._workers_registered():
+            self._deferring_since = None
             self._reform_in_place(worker_group)  # emits agent.reformed_in_place
             return
+        if membership and self._defer_for_starting_workers(worker_group):
+            return  # torch's loop asks again at its next monitor tick
+        self._deferring_since = None
         events.emit(
             events.AgentRestart(
                 reason="membership" if not charged else "failure",
@@ -391,6 +401,41 @@ class SlurmElasticAgent(LocalElasticAgent):
         elif membership:
             self._notice_before_restart(worker_group)
         super()._restart_workers(worker_group)
+
+    def _defer_for_starting_workers(self, worker_group: WorkerGroup) -> bool:
+        """Whether a membership restart waits for workers that are still starting.
+
+        Newcomers are waiting, no member was lost, and this node's workers (healthy,
+        started less than ``shutdown_timeout_s`` ago) have not registered as live yet:
+        they are joining the round their agent formed, or not even there (importing,
+        building the model). Restarting them now would give them the notice while they
+        join: ``ElasticSession`` workers then train in place, voting to leave, and wait
+        for a new round that this agent, waiting for them to exit, never joins (both
+        waits ran out after 60 s and the members redid a step: issue 20's seat test).
+        Once they are live, the change re-forms in place; the newcomers wait until then.
+        A script without ``ElasticSession`` never registers: past the window (measured
+        from its workers' start) it gets the notice and the restart as before.
+        """
+        handler = worker_group.spec.rdzv_handler
+        started = self._workers_started_at
+        if (
+            not roster.in_place_enabled()
+            or started is None
+            or time.monotonic() - started > self._leave_timeout_s
+            or not isinstance(handler, RoundWatching)
+            # a member left or died (they may be blocked on it), unless the round only
+            # moved on because a member re-joined in place for the newcomers
+            or (handler.round_lost() and not handler.round_moved_on_in_place())
+        ):
+            return False
+        if self._deferring_since is None:
+            self._deferring_since = time.monotonic()
+            log.info(
+                "nodes wait to join while the local workers are still starting: the change "
+                "waits for them to go live (in place), at most %.0f s after their start",
+                self._leave_timeout_s,
+            )
+        return True
 
     def _reform_in_place(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()

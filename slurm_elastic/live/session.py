@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slurm_elastic import events, notice
+from slurm_elastic import _startup_seam, events, notice
 from slurm_elastic.channel import NodeChannel
 from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.live import roster
@@ -286,6 +286,7 @@ class ElasticSession:
         if self._started:
             return
         self._started = True
+        _startup_seam.pause("worker_open")  # tests only: a worker that has not registered
         from_peer = self.world.open()
         t0 = time.monotonic()
         if from_peer:

@@ -322,3 +322,32 @@ def merge(state: State, nodes: Iterable[Node], rules: Rules, generation: int) ->
             apply(state, node, act, rules, generation)
             applied.append(node)
     return applied
+
+
+def round_broken(state: Readable, round_: int | None, world: int | None) -> bool:
+    """Whether round ``round_`` of ``world`` nodes, last joined, lost a member, moved on,
+    or the run closed (``False`` before any round was joined). In a complete round
+    participants are only ever removed (a newcomer waits), so the round is whole while
+    it is the same round with as many participants."""
+    if round_ is None or world is None:
+        return False
+    return (
+        state.closed
+        or state.round != round_
+        or not state.complete
+        or state.count(PARTICIPANTS) != world
+    )
+
+
+def moved_on_in_place(state: Readable, node: Node, round_: int | None, world: int | None) -> bool:
+    """Whether ``node``'s round ``round_`` (of ``world`` nodes) moved on with no member
+    lost: a member re-joined with the seats kept (``RESEAT``: every member seated in the
+    next round, newcomers added), ``node`` is seated there, and the round holds at least
+    ``world`` nodes. A member evicted before the re-seat is not seated: fewer nodes."""
+    if round_ is None or world is None or state.closed:
+        return False
+    return (
+        state.round > round_
+        and state.where(node) == PARTICIPANTS
+        and state.count(PARTICIPANTS) >= world
+    )

@@ -64,6 +64,8 @@ from slurm_elastic.rendezvous.decisions import (
     decide_join,
     decide_leave,
     evict,
+    moved_on_in_place,
+    round_broken,
 )
 from slurm_elastic.rendezvous.executor import OpLoop, Timing
 from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
@@ -495,17 +497,14 @@ class SlurmRendezvousHandler(RendezvousHandler):
             _, view = self._loop.backend.view()
             return self._lost(view)
 
+    def round_moved_on_in_place(self) -> bool:
+        """See :class:`~slurm_elastic.rendezvous.protocols.RoundWatching`."""
+        with self._lock:
+            _, view = self._loop.backend.view()
+            return moved_on_in_place(view, self._node, self._round, self._world)
+
     def _lost(self, view: Readable) -> bool:
-        if self._round is None or self._world is None:
-            return False
-        # In a complete round participants are only ever removed (a newcomer waits), so
-        # the round is whole while it is the same round with as many participants.
-        return (
-            view.closed
-            or view.round != self._round
-            or not view.complete
-            or view.count(PARTICIPANTS) != self._world
-        )
+        return round_broken(view, self._round, self._world)
 
     @property
     def seat(self) -> Seat | None:

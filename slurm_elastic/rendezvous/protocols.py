@@ -56,6 +56,13 @@ class RoundWatching(Protocol):
         """Whether the round last joined is broken."""
         ...
 
+    def round_moved_on_in_place(self) -> bool:
+        """Whether the round last joined moved on only because a member re-joined with
+        the seats kept (``SeatKeeping``) for newcomers: this node is seated in the next
+        round and no member was lost. ``round_lost()`` is true then too; the agent of
+        workers that are still starting waits for them instead of restarting them."""
+        ...
+
 
 @runtime_checkable
 class SeatKeeping(Protocol):

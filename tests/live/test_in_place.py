@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurm_elastic.agent import ExitCode
+from slurm_elastic.envvars import TEST_PAUSE_AT_ENV, TEST_PAUSE_DIR_ENV
 from slurm_elastic.events import read_events
 from tests.helpers import wait_for
 from tests.live.conftest import (
@@ -337,6 +338,47 @@ def test_newcomers_filling_max_nodes_seat_the_training_member_first(
 
 def first_round(records: list[dict], step: int) -> int:
     return min(r["round"] for r in records if r["step"] == step)
+
+
+def test_a_join_waits_for_workers_still_starting_and_re_forms_them_in_place(
+    tmp_path: Path, nodes: list[LiveRun]
+) -> None:
+    """Node b joins a's run; while b's workers are still starting (held before they
+    register with their agent, by the test seam), node c comes. b's agent must not
+    restart them for c: it gave them the notice, they joined a's round and trained in
+    place, voting to leave, waiting for a round their agent (waiting for them to exit)
+    never joined; after 60 s it killed them and a redid a step (a CI run of the seat test
+    above). It waits for them to go live, then the change re-forms everyone in place."""
+    steps, paced = 400, ("--pace-until-world", "6")
+    a = LiveRun(tmp_path, "defer1", "1:3", "a", *paced, steps=steps, step_time=0.3)
+    nodes.append(a)
+    wait_for(lambda: steps_done(tmp_path) >= 15, 90, "node a to train alone")
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    seam = {TEST_PAUSE_AT_ENV: "worker_open", TEST_PAUSE_DIR_ENV: str(hold)}
+    b = LiveRun(tmp_path, "defer1", "1:3", "b", *paced, steps=steps, step_time=0.3, env=seam)
+    nodes.append(b)
+    wait_for(lambda: (hold / "worker_open.reached").exists(), 90, "b's workers to start")
+    b_pids = started_workers(tmp_path, "defer1", b)
+    assert len(b_pids) == 2
+    c = LiveRun(tmp_path, "defer1", "1:3", "c", *paced, steps=steps, step_time=0.3)
+    nodes.append(c)
+    wait_for(lambda: "waits for them to go live" in b.log(), 90, "b's agent to wait for them")
+    (hold / "worker_open.go").touch()
+    assert a.wait(200) == ExitCode.FINISHED, a.log()
+    assert b.wait(60) == ExitCode.FINISHED, b.log()
+    c.wait(60)
+
+    records = ledger(tmp_path)
+    assert redone_steps(records) == 0
+    b_events = [e for e in events(tmp_path, "defer1") if e["pid"] == b.proc.pid]
+    assert not [e for e in b_events if e["kind"] == "agent.restart"], b.log()[-3000:]
+    assert any(e["kind"] == "agent.reformed_in_place" for e in b_events), b.log()[-3000:]
+    last = [r for r in records if r["step"] == steps]
+    assert {r["world"] for r in last} == {6}
+    assert b_pids <= {r["pid"] for r in last}  # b's first workers trained to the end
+    assert_each_sample_once(records, steps)
+    assert_close_to_reference(tmp_path, steps)
 
 
 def test_workers_still_starting_are_restarted_at_once_when_a_member_is_lost(

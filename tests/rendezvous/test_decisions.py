@@ -21,6 +21,8 @@ from slurm_elastic.rendezvous.decisions import (
     decide_leave,
     evict,
     merge,
+    moved_on_in_place,
+    round_broken,
 )
 from slurm_elastic.rendezvous.executor import LastCallTimer
 from slurm_elastic.rendezvous.state import Node, State, StateView, decode_state, encode_state
@@ -139,6 +141,32 @@ def test_reseat_reopens_the_round_with_every_member_seated() -> None:
     assert _join(s, C, rules) is Act.ADD_TO_PARTICIPANTS
     _do(s, C, Act.ADD_TO_PARTICIPANTS, rules)
     assert s.complete and s.world == 3
+
+
+def test_a_round_moved_on_in_place_is_told_from_one_that_lost_a_member() -> None:
+    # The agent of workers still starting waits for them when its round moved on only
+    # because a member re-joined in place for a newcomer; after a loss it restarts them.
+    rules = Rules(1, 4)
+    s = _complete(rules, A, B)
+    assert not round_broken(s, None, None) and not moved_on_in_place(s, B, None, None)
+    assert not round_broken(s, 0, 2) and not moved_on_in_place(s, B, 0, 2)
+    _do(s, C, Act.ADD_TO_WAITING, rules)
+    assert not round_broken(s, 0, 2)  # a newcomer waits: the round is whole
+    _do(s, A, Act.RESEAT, rules)  # A's agent re-joins in place for C
+    payload = encode_state(s)
+    view = StateView(lambda at, n: payload[at : at + n], len(payload))
+    for state in (s, view):
+        assert round_broken(state, 0, 2) and moved_on_in_place(state, B, 0, 2)
+    assert not moved_on_in_place(s, C, 0, 2)  # not seated: C waits
+    _do(s, C, Act.ADD_TO_PARTICIPANTS, rules)
+    assert moved_on_in_place(s, B, 0, 2)
+    # A member evicted before the re-seat: the next round holds fewer nodes.
+    lost = _complete(rules, A, B, D)
+    evict(lost, [D], rules)
+    _do(lost, A, Act.RESEAT, rules)
+    assert round_broken(lost, 0, 3) and not moved_on_in_place(lost, B, 0, 3)
+    _do(s, A, Act.MARK_CLOSED, rules)
+    assert round_broken(s, 0, 2) and not moved_on_in_place(s, B, 0, 2)
 
 
 def test_a_reformed_round_completes_after_the_grace_once_nobody_waits() -> None:
