@@ -125,6 +125,42 @@ def test_the_full_state_moves_into_a_model_sharded_anew(world_of_one: None) -> N
     _train(again, opt, 1)  # the same optimizer object steps the new parameters
 
 
+class _Rooted(nn.Module):
+    """A root with parameters of its own (an embedding, as a transformer's) and one unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(8, 4)
+        self.unit = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.unit(self.embed(x))
+
+
+@pytest.mark.parametrize("reshard", [None, True])
+def test_the_root_keeps_its_parameters_for_backward_by_default(
+    world_of_one: None, reshard: bool | None
+) -> None:
+    # torch's default (None): the root does not reshard after forward, so its parameters
+    # need no second all-gather in backward. The session used to pass True to the root
+    # too: ~2 % of a step of the example's transformer (bench/overhead.py --arch).
+    from torch.distributed.tensor import DTensor
+
+    net = _Rooted()
+    config = FSDPConfig(build=_Rooted, shard_modules=lambda m: [m.unit])
+    if reshard is not None:
+        config = FSDPConfig(
+            build=_Rooted, shard_modules=lambda m: [m.unit], reshard_after_forward=reshard
+        )
+    model = ShardedModel(config, net, None).shard("cpu", 1)
+    loss = model(torch.tensor([1, 2, 3])).sum()
+    assert isinstance(model.unit.weight, DTensor)  # a unit reshards after forward
+    assert isinstance(model.embed.weight, DTensor) is bool(reshard)
+    loss.backward()
+    assert isinstance(model.embed.weight, DTensor)  # resharded after backward either way
+
+
 def test_a_stale_full_state_is_never_handed_out(world_of_one: None) -> None:
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
