@@ -359,8 +359,12 @@ def test_a_join_waits_for_workers_still_starting_and_re_forms_them_in_place(
     b = LiveRun(tmp_path, "defer1", "1:3", "b", *paced, steps=steps, step_time=0.3, env=seam)
     nodes.append(b)
     wait_for(lambda: (hold / "worker_open.reached").exists(), 90, "b's workers to start")
-    b_pids = started_workers(tmp_path, "defer1", b)
-    assert len(b_pids) == 2
+
+    def b_workers() -> set[int] | None:  # the event may come just after they reach the seam
+        pids = started_workers(tmp_path, "defer1", b)
+        return pids if len(pids) == 2 else None
+
+    b_pids = wait_for(b_workers, 30, "b's agent to record its two workers")
     c = LiveRun(tmp_path, "defer1", "1:3", "c", *paced, steps=steps, step_time=0.3)
     nodes.append(c)
     wait_for(lambda: "waits for them to go live" in b.log(), 90, "b's agent to wait for them")
