@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -107,7 +108,10 @@ def collect(
     rdzv = None
     for e in evs:
         if isinstance(e, ev.AgentStart):
-            endpoint = e.config.get("rdzv_endpoint")
+            endpoint, state_dir = e.config.get("rdzv_endpoint"), e.config.get("state_dir")
+            if endpoint is None and e.config.get("rdzv_backend") == "slurm":
+                # the agent's default (AgentConfig.rdzv_dir): <state_dir>/rdzv
+                endpoint = os.path.join(state_dir, "rdzv") if isinstance(state_dir, str) else None
             rdzv = endpoint if isinstance(endpoint, str) and "\0" not in endpoint else rdzv
     names = [e.node for e in evs if isinstance(e, ev.RendezvousComplete)]
     tasks: list[SlurmTask] = []
