@@ -164,7 +164,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._left = False
         self._loss_round = -1  # the newest round formed after a loss (Assignment.loss_round)
         self._workers_started_at: float | None = None  # monotonic, the last worker start
-        self._deferring_since: float | None = None  # a membership change waits for them
+        self._deferring = False  # a membership change waits for them (logged once)
 
     # -- rendezvous ---------------------------------------------------------------------
 
@@ -382,12 +382,12 @@ class SlurmElasticAgent(LocalElasticAgent):
             return  # this node left: no new round for it
         membership = not charged and self._last_state == WorkerState.HEALTHY
         if membership and self._workers_registered():
-            self._deferring_since = None
+            self._deferring = False
             self._reform_in_place(worker_group)  # emits agent.reformed_in_place
             return
         if membership and self._defer_for_starting_workers(worker_group):
             return  # torch's loop asks again at its next monitor tick
-        self._deferring_since = None
+        self._deferring = False
         events.emit(
             events.AgentRestart(
                 reason="membership" if not charged else "failure",
@@ -428,8 +428,8 @@ class SlurmElasticAgent(LocalElasticAgent):
             or (handler.round_lost() and not handler.round_moved_on_in_place())
         ):
             return False
-        if self._deferring_since is None:
-            self._deferring_since = time.monotonic()
+        if not self._deferring:
+            self._deferring = True
             log.info(
                 "nodes wait to join while the local workers are still starting: the change "
                 "waits for them to go live (in place), at most %.0f s after their start",
