@@ -126,7 +126,11 @@ class WorkerStoreOwner:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _client(
-        self, rec: Mapping[str, object], round_: int, round_is_current: Callable[[], bool]
+        self,
+        rec: Mapping[str, object],
+        round_: int,
+        round_is_current: Callable[[], bool],
+        deadline: float,
     ) -> dist.TCPStore:
         """A client of the store ``rec`` names. Bounded: a frozen rank 0 accepts the
         connection and never answers torch's ping, which has no timeout (bounded_call.py).
@@ -134,7 +138,7 @@ class WorkerStoreOwner:
         Raises:
             StoreUnansweredError: no answer in time, or the round ended meanwhile.
         """
-        connect_s = min(10.0, self._timeout.total_seconds())
+        connect_s = max(1.0, min(self._timeout.total_seconds(), deadline - time.monotonic()))
         client = call_bounded(
             lambda: dist.TCPStore(
                 host_name=str(rec["addr"]),
@@ -189,7 +193,7 @@ class WorkerStoreOwner:
                 if rec.get("members", members) != members:
                     raise RoundLostError(f"round {round_} changed members before this node read it")
                 try:
-                    client = self._client(rec, round_, round_is_current)
+                    client = self._client(rec, round_, round_is_current, deadline)
                 except (RuntimeError, dist.DistNetworkError, StoreUnansweredError) as exc:
                     log.warning(
                         "cannot reach round %d store at %s:%s (%s)",
