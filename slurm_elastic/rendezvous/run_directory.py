@@ -449,7 +449,11 @@ class RunDirectory:
                     raise RendezvousClosedError(
                         f"the rendezvous of run {self.run_id!r} was closed by this job "
                         f"(incarnation {incarnation.key}); it has finished. Use a new run id "
-                        "or requeue the job to start again"
+                        "or requeue the job to start again. If this job never ran before, "
+                        "Slurm gave it the id of an earlier job that used this state_dir "
+                        "(a controller whose state was reset restarts job ids; clusters "
+                        "sharing a filesystem overlap them): give it its own run_id or "
+                        "state_dir, or its checkpoints are that job's"
                     )
                 self._create(era.number + 1, incarnation)
                 continue

@@ -111,6 +111,10 @@ class JobHandle(abc.ABC):
     #: ``"local"`` or ``"slurm"``
     cluster: str
 
+    def __repr__(self) -> str:
+        # What a user printing the handle wants: which job, where (no state query here).
+        return f"{type(self).__name__}(job_id={self.job_id!r}, cluster={self.cluster!r})"
+
     @abc.abstractmethod
     def task_states(self) -> list[JobState]:
         """The state of each task (array task, node process) of the job."""

@@ -131,3 +131,11 @@ def test_cancel_goes_through_the_seam() -> None:
 )
 def test_summarize(states: list[JobState], expected: JobState) -> None:
     assert summarize(states) == expected
+
+
+def test_the_handle_prints_as_its_job_and_cluster_without_asking_slurm() -> None:
+    runner = Replay(ARRAY)
+    job = _job(runner)
+    assert repr(job) == "SlurmJob(job_id='9', cluster='slurm')"
+    assert str(job) == repr(job)
+    assert runner.calls == []  # printing a handle queries nothing
