@@ -213,7 +213,8 @@ class MissingDirectoryError(RendezvousSetupError):
 
 
 class RunIdInUseError(RendezvousSetupError):
-    """The run id is used by another live job (its epoch is open and changing)."""
+    """The run id is used by another live job (its epoch is open and changing), or was
+    used by a job of another cluster (`agent/run_owner.py`)."""
 
 
 class RoundLostError(SlurmElasticError):

@@ -53,6 +53,7 @@ from slurm_elastic.agent.run_files import (
     run_key,
     worker_logs,
 )
+from slurm_elastic.agent.run_owner import check_run_cluster
 from slurm_elastic.agent.stop import (
     Stop,
     act_on_early_signals,
@@ -68,6 +69,7 @@ from slurm_elastic.config import ElasticConfig
 from slurm_elastic.errors import (
     ConfigError,
     RendezvousSetupError,
+    RunIdInUseError,
     SlurmElasticError,
     SlurmError,
     UnsafeDirectoryError,
@@ -176,7 +178,7 @@ def _run(launch: _Launch) -> int:
     os.environ.update(worker_environment(config, launch.slurm, launch.channel))
     log.info("agent config: %s", config.as_dict())
     log_dir, redirects, tee = worker_logs(config, launch.redirects, launch.tee)
-    if not _prepare_run_files(config, log_dir):
+    if not _prepare_run_files(config, log_dir, launch.slurm):
         return ExitCode.USAGE
     _announce_start(launch, log_dir)
     stop, early = install_stop_handlers(config.preempt_signum, launch.channel)
@@ -188,11 +190,18 @@ def _run(launch: _Launch) -> int:
     return _supervise(launch, agent, handler, stop)
 
 
-def _prepare_run_files(config: ElasticConfig, log_dir: Path | None) -> bool:
-    """Create and check the run's private directories and its key (False: unusable)."""
+def _prepare_run_files(config: ElasticConfig, log_dir: Path | None, slurm: SlurmEnv) -> bool:
+    """Create and check the run's private directories and its key, and that a run id
+    taken from the job id is not another cluster's (False: unusable)."""
     try:
         private_directories(config, log_dir)
-        os.environ[envvars.KEY_FILE_ENV] = str(run_key(config))
+        key = run_key(config)
+        os.environ[envvars.KEY_FILE_ENV] = str(key)
+        if config.run_id is not None and config.run_id == slurm.run_id:
+            check_run_cluster(key.parent, config.run_id, slurm.cluster_name)
+    except RunIdInUseError as exc:
+        log.error("%s", exc)
+        return False
     except (UnsafeDirectoryError, OSError) as exc:
         log.error("cannot use the run's directories: %s", exc)
         return False

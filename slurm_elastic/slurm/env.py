@@ -33,6 +33,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "partition": ("SLURM_JOB_PARTITION",),
     "submit_dir": ("SLURM_SUBMIT_DIR",),
     "job_name": ("SLURM_JOB_NAME",),
+    "cluster_name": ("SLURM_CLUSTER_NAME",),
 }
 
 _GPU_COUNT = re.compile(r"(?:^|:)(\d+)(?:\(|$)")
@@ -108,6 +109,7 @@ class SlurmEnv:
     partition: str | None = None
     submit_dir: Path | None = None
     job_name: str | None = None
+    cluster_name: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> SlurmEnv:
@@ -134,6 +136,7 @@ class SlurmEnv:
             partition=_get(environ, "partition"),
             submit_dir=Path(submit_dir) if submit_dir else None,
             job_name=_get(environ, "job_name"),
+            cluster_name=_get(environ, "cluster_name"),
         )
 
     @property
