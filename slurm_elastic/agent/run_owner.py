@@ -9,6 +9,10 @@ same model, so nothing would even fail). The first agent of a run records its cl
 (``SLURM_CLUSTER_NAME``) beside the run key; an agent of another cluster refuses to start
 (:class:`~slurm_elastic.errors.RunIdInUseError`), naming the fix.
 
+A federation's job ids are unique across its clusters (the origin cluster's number is in
+their upper bits, from ``2**26`` up), and a requeued federated job may run on a sibling
+cluster: such ids are not checked.
+
 Not covered: a job id repeated on the *same* cluster (a controller whose state was reset
 restarts its ids): nothing Slurm tells a job distinguishes it from a requeue (README,
 Limits).
@@ -27,6 +31,11 @@ from slurm_elastic.privatefs.files import read_regular
 __all__ = ["check_run_cluster"]
 
 _LIMIT = 4096
+_FEDERATED_IDS = 2**26  # Slurm: federated job ids carry the origin cluster's number from here
+
+
+def _federated(run_id: str) -> bool:
+    return run_id.isdigit() and int(run_id) >= _FEDERATED_IDS
 
 
 def check_run_cluster(directory: str | os.PathLike[str], run_id: str, cluster: str | None) -> None:
@@ -42,7 +51,7 @@ def check_run_cluster(directory: str | os.PathLike[str], run_id: str, cluster: s
         RunIdInUseError: the run id was recorded by a job of another cluster.
         UnsafeDirectoryError: the directory or the record is not private, or damaged.
     """
-    if not cluster:
+    if not cluster or _federated(run_id):
         return
     name = f"{run_id}.owner"
     if "/" in name or name.startswith("."):

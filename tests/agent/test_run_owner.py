@@ -64,6 +64,16 @@ def test_without_a_cluster_name_nothing_is_recorded(tmp_path: Path) -> None:
     assert list(directory.iterdir()) == []
 
 
+def test_a_federated_job_id_is_not_checked(tmp_path: Path) -> None:
+    """A federation's ids are unique across its clusters and a requeued federated job may
+    run on a sibling: the id of origin cluster 1 (``1 << 26`` and up) is never refused."""
+    directory = keys(tmp_path)
+    federated = str((1 << 26) + 42)
+    check_run_cluster(directory, federated, "alpha")
+    check_run_cluster(directory, federated, "beta")  # requeued onto a sibling cluster
+    assert list(directory.iterdir()) == []
+
+
 def test_a_damaged_or_linked_record_is_refused(tmp_path: Path) -> None:
     directory = keys(tmp_path)
     (directory / "1.owner").write_text("{not json")
