@@ -17,7 +17,7 @@ import pytest
 
 from slurm_elastic.agent import launch
 from slurm_elastic.agent.run_owner import check_run_cluster
-from slurm_elastic.config import load_config
+from slurm_elastic.config import ElasticConfig, load_config
 from slurm_elastic.errors import RunIdInUseError, UnsafeDirectoryError
 from slurm_elastic.privatefs import ensure_private_dir
 from slurm_elastic.slurm.env import SlurmEnv
@@ -87,7 +87,7 @@ def test_a_damaged_or_linked_record_is_refused(tmp_path: Path) -> None:
         check_run_cluster(directory, "2", "alpha")
 
 
-def _config(tmp_path: Path, slurm: SlurmEnv, **overrides: str) -> object:
+def _config(tmp_path: Path, slurm: SlurmEnv, **overrides: str) -> ElasticConfig:
     return load_config(
         environ={"PWD": str(tmp_path)},
         slurm=slurm,
@@ -101,14 +101,14 @@ def test_an_agent_of_another_cluster_stops_before_anything_of_the_run_is_used(
     """The agent's start-up step: the job of cluster alpha ran here as job 4242; job 4242
     of cluster beta stops with the reason instead of taking alpha's run and checkpoints."""
     alpha = SlurmEnv(job_id="4242", cluster_name="alpha")
-    assert launch._prepare_run_files(_config(tmp_path, alpha), None, alpha)  # type: ignore[arg-type]
+    assert launch._prepare_run_files(_config(tmp_path, alpha), None, alpha)
     beta = SlurmEnv(job_id="4242", cluster_name="beta")
     with caplog.at_level(logging.ERROR, logger="slurm_elastic.agent.launch"):
-        ok = launch._prepare_run_files(_config(tmp_path, beta), None, beta)  # type: ignore[arg-type]
+        ok = launch._prepare_run_files(_config(tmp_path, beta), None, beta)
     assert not ok
     assert "a job of cluster 'alpha'" in caplog.text
     # A run id the user chose is theirs to reuse (e.g. to continue across submissions).
     chosen = _config(tmp_path, beta, run_id="4242-continued")
-    assert launch._prepare_run_files(chosen, None, beta)  # type: ignore[arg-type]
+    assert launch._prepare_run_files(chosen, None, beta)
     owners = sorted(p.name for p in (tmp_path / ".slurm_elastic").rglob("*.owner"))
     assert owners == ["4242.owner"], owners  # not checked, not recorded

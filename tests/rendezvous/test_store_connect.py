@@ -9,6 +9,7 @@ resolver that takes seconds per lookup, makes it wait).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from slurm_elastic.rendezvous.worker_store import WorkerStoreOwner
+from tests.helpers import wait_for
 from tests.store_host import store_host
 
 
@@ -25,6 +27,16 @@ def owner(timeout_s: float) -> WorkerStoreOwner:
     return WorkerStoreOwner(era, "node-a", "127.0.0.1", 0, timeout_s)
 
 
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the test ended (host killed) first
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_a_connect_slower_than_ten_seconds_waits_while_the_round_is_current() -> None:
     """A host that answers after 11.5 s is reached at the first try. Before: every
     connect gave up after 10 s (whatever the store's timeout), so a host that needs
@@ -32,8 +44,9 @@ def test_a_connect_slower_than_ten_seconds_waits_while_the_round_is_current() ->
     retry added a connection to the pile."""
     with store_host() as (proc, port):
         os.kill(proc.pid, signal.SIGSTOP)
-        threading.Timer(11.5, lambda: os.kill(proc.pid, signal.SIGCONT)).start()
+        wait_for(lambda: stopped(proc.pid), 10, "the store host to stop")
         start = time.monotonic()
+        threading.Timer(11.5, resume, args=(proc.pid,)).start()
         rec = {"addr": "127.0.0.1", "port": port}
         client = owner(120.0)._client(rec, 1, lambda: True, time.monotonic() + 60.0)
         took = time.monotonic() - start
