@@ -181,17 +181,23 @@ class WorkerStoreOwner:
             self._store = server
             self._era.publish_store(round_, self._node, self._addr, server.port, members)
             return dist.PrefixStore(prefix, server), RendezvousStoreInfo(self._addr, server.port)
-        # Spread the clients' connects (up to 0.5 s): each one makes torch look up the
-        # store's name by reverse DNS (resolver.py), and a resolver that drops a burst
-        # of queries costs 5 s per lost one (measured here: 31 connects at once).
-        time.sleep(_CONNECT_SPREAD_S * ((rank - 1) % 50))
         delay = 0.01
         last_check = time.monotonic()
+        spread = True
         while True:
             rec = self._era.read_store()
             if rec is not None and rec["round"] == round_ and rec["node"] == rank0_node:
                 if rec.get("members", members) != members:
                     raise RoundLostError(f"round {round_} changed members before this node read it")
+                if spread and str(rec["addr"]) == self._addr:
+                    # Agents that share rank 0's host (one machine's test or simulation)
+                    # spread their connects, up to 0.5 s: each makes torch look up the
+                    # store's name by reverse DNS (resolver.py), and a host's resolver that
+                    # drops a burst of queries costs 5 s per lost one (measured here: 64
+                    # at once). Agents on their own nodes (a cluster) make one lookup per
+                    # host and connect at once: a formation does not wait on the spread.
+                    spread = False
+                    time.sleep(_CONNECT_SPREAD_S * ((rank - 1) % 50))
                 try:
                     client = self._client(rec, round_, round_is_current, deadline)
                 except (RuntimeError, dist.DistNetworkError, StoreUnansweredError) as exc:
