@@ -37,6 +37,7 @@ __all__ = [
     "ROUND_ENV",
     "RUN_ID_ENV",
     "SIGNAL_LEAD_ENV",
+    "SUBMISSION_ENV",
     "TEST_PAUSE_AT_ENV",
     "TEST_PAUSE_DIR_ENV",
     "TEST_PREFIX",
@@ -64,6 +65,7 @@ ROUND_ENV = f"{PREFIX}ROUND"
 IN_PLACE_ENV = f"{PREFIX}IN_PLACE"
 KEY_FILE_ENV = f"{PREFIX}KEY_FILE"
 SIGNAL_LEAD_ENV = f"{PREFIX}SIGNAL_LEAD_S"
+SUBMISSION_ENV = f"{PREFIX}SUBMISSION"
 #: ``SLURM_ELASTIC_CLUSTER``, ``SLURM_ELASTIC_CLUSTER_DIR``, ``..._MODE``, ...
 CLUSTER_PREFIX = f"{PREFIX}CLUSTER"
 #: Reserved for test harnesses; never a config key.
@@ -174,6 +176,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "store values, so that only the run's own processes take a seat",
         "the agent, for its workers",
         "`slurm_elastic.live` in the workers",
+    ),
+    EnvVar(
+        SUBMISSION_ENV,
+        "a random id of one submission (16 hex digits): Slurm hands it to every task and "
+        "keeps it across requeues; the first agent of a run records it, and an agent of "
+        "another submission whose job id repeats the run's stops",
+        "`slurm-elastic submit` and `submit()`, through sbatch's environment",
+        "the agent (`slurm_elastic.agent.run_owner`)",
     ),
     EnvVar(
         IN_PLACE_ENV,

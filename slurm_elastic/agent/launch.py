@@ -190,16 +190,23 @@ def _run(launch: _Launch) -> int:
     return _supervise(launch, agent, handler, stop)
 
 
-def _prepare_run_files(config: ElasticConfig, log_dir: Path | None, slurm: SlurmEnv) -> bool:
+def _prepare_run_files(
+    config: ElasticConfig,
+    log_dir: Path | None,
+    slurm: SlurmEnv,
+    environ: Mapping[str, str] = os.environ,
+) -> bool:
     """Create and check the run's private directories and its key, and that a run id
-    taken from the job id is not another cluster's (False: unusable)."""
+    taken from the job id is not another cluster's or another submission's (False:
+    unusable)."""
     try:
         private_directories(config, log_dir)
         key = run_key(config)
         os.environ[envvars.KEY_FILE_ENV] = str(key)
         if config.run_id is not None and config.run_id == slurm.run_id:
-            check_run_cluster(key.parent, config.run_id, slurm.cluster_name)
-    except RunIdInUseError as exc:
+            submission = environ.get(envvars.SUBMISSION_ENV)
+            check_run_cluster(key.parent, config.run_id, slurm.cluster_name, submission)
+    except (RunIdInUseError, ValueError) as exc:
         log.error("%s", exc)
         return False
     except (UnsafeDirectoryError, OSError) as exc:

@@ -134,8 +134,10 @@ class SlurmClient:
         *,
         input: str | None = None,
         timeout_s: float | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run one Slurm command; return it when it exits 0.
+        """Run one Slurm command; return it when it exits 0 (``extra_env``: variables
+        added to the command's environment).
 
         Raises:
             SlurmCommandNotFoundError: ``argv[0]`` is not installed / not on PATH.
@@ -147,7 +149,10 @@ class SlurmClient:
         timeout = self._timeout_s if timeout_s is None else timeout_s
         logger.debug("running %s (timeout %.0f s)", argv, timeout)
         try:
-            proc = self._runner(argv, timeout=timeout, input=input, env=self._env)
+            env = self._env
+            if extra_env:
+                env = {**(os.environ if env is None else env), **extra_env}
+            proc = self._runner(argv, timeout=timeout, input=input, env=env)
         except FileNotFoundError as exc:
             path = (self._env or os.environ).get("PATH", "")
             raise SlurmCommandNotFoundError(
@@ -186,6 +191,7 @@ class SlurmClient:
         extra_args: Sequence[str] = (),
         *,
         cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str:
         """Submit a batch script with ``sbatch --parsable``; return the job id.
 
@@ -194,6 +200,9 @@ class SlurmClient:
                 (``os.PathLike``, passed as an argument).
             extra_args: more sbatch options, e.g. ``["--array=0-3", "-N2"]``.
             cwd: the job's working directory (``--chdir``); default: sbatch's.
+            env: variables added to sbatch's environment, which the job gets as sbatch's
+                export rules say (all of it by default; ``SLURM_*`` names even with
+                ``--export=NONE``).
 
         Raises:
             SlurmCommandError: sbatch rejected the job (the message has its reason).
@@ -202,9 +211,9 @@ class SlurmClient:
         if cwd is not None:
             argv.append(f"--chdir={os.fspath(cwd)}")
         if isinstance(script, str):
-            proc = self.run(argv, input=script)
+            proc = self.run(argv, input=script, extra_env=env)
         else:
-            proc = self.run([*argv, os.fspath(script)])
+            proc = self.run([*argv, os.fspath(script)], extra_env=env)
         job_id = parse_sbatch_parsable(proc.stdout)
         logger.info("submitted Slurm job %s", job_id)
         return job_id

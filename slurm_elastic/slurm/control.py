@@ -11,7 +11,7 @@ output through its ``runner`` instead of faking this Protocol.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from slurm_elastic.slurm.jobstate import JobInfo, JobState
@@ -33,8 +33,10 @@ class SlurmControl(Protocol):
         extra_args: Sequence[str] = (),
         *,
         cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str:
-        """Submit a batch script (its text, or a path); return the job id."""
+        """Submit a batch script (its text, or a path); return the job id. ``env``:
+        variables added to the submission's environment."""
         ...
 
     def job_infos(self, job_ref: str) -> list[JobInfo]:

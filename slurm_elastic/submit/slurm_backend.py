@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurm_elastic import envvars
 from slurm_elastic.slurm.control import SlurmControl, default_control
 from slurm_elastic.submit import render
 from slurm_elastic.submit.directories import ensure_job_directories
@@ -106,7 +108,9 @@ def send(submission: SlurmSubmission, client: SlurmControl | None = None) -> Slu
     for line in ensure_job_directories(submission.values):
         log.info("%s", line)
     control = client if client is not None else default_control()
-    job_id = control.submit(submission.text)
+    # A new id per submission, outside the script (which stays the dry run's text): the
+    # agents tell this job from an earlier one whose id Slurm repeats (agent/run_owner.py).
+    job_id = control.submit(submission.text, env={envvars.SUBMISSION_ENV: secrets.token_hex(8)})
     request = submission.request
     if request.mode == "elastic_array":
         refs = [f"{job_id}_{i}" for i in range(request.max_nodes)]

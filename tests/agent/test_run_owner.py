@@ -1,4 +1,4 @@
-"""A run id taken from a job id belongs to the cluster whose job first used it.
+"""A run id taken from a job id belongs to the cluster and submission whose job first used it.
 
 Clusters that share a filesystem number their jobs independently: a job of one can get
 the id of an earlier job of another that ran in the same directory. Real files in a real
@@ -112,3 +112,50 @@ def test_an_agent_of_another_cluster_stops_before_anything_of_the_run_is_used(
     assert launch._prepare_run_files(chosen, None, beta)
     owners = sorted(p.name for p in (tmp_path / ".slurm_elastic").rglob("*.owner"))
     assert owners == ["4242.owner"], owners  # not checked, not recorded
+
+
+FIRST, SECOND = "0123456789abcdef", "fedcba9876543210"
+
+
+def test_a_job_of_another_submission_with_the_same_id_is_refused(tmp_path: Path) -> None:
+    """One cluster whose controller restarted its job ids: job 4242 of a new submission
+    is not the earlier job 4242 requeued. A requeued task keeps its submission's id."""
+    directory = keys(tmp_path)
+    check_run_cluster(directory, "4242", "alpha", FIRST)
+    check_run_cluster(directory, "4242", "alpha", FIRST)  # a requeued task, another node
+    with pytest.raises(RunIdInUseError) as err:
+        check_run_cluster(directory, "4242", "alpha", SECOND)
+    message = str(err.value)
+    assert FIRST in message and SECOND in message
+    assert "restarts its job ids" in message and "its own run_id or state_dir" in message
+
+
+def test_a_job_sent_without_a_submission_id_is_not_judged_by_it(tmp_path: Path) -> None:
+    """Plain sbatch (no id) on either side: nothing tells the jobs apart, as before."""
+    directory = keys(tmp_path)
+    check_run_cluster(directory, "1", "alpha", FIRST)
+    check_run_cluster(directory, "1", "alpha", None)
+    check_run_cluster(directory, "2", "alpha", None)
+    check_run_cluster(directory, "2", "alpha", FIRST)
+    # Outside Slurm's cluster names (or a federated id) the submission still decides.
+    check_run_cluster(directory, "3", None, FIRST)
+    with pytest.raises(RunIdInUseError):
+        check_run_cluster(directory, "3", None, SECOND)
+
+
+def test_a_malformed_submission_id_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"SLURM_ELASTIC_SUBMISSION='\.\./x' is not"):
+        check_run_cluster(keys(tmp_path), "1", "alpha", "../x")
+
+
+def test_an_agent_of_another_submission_stops_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's start-up step reads the id from its environment."""
+    slurm = SlurmEnv(job_id="77", cluster_name="alpha")
+    first = {"SLURM_ELASTIC_SUBMISSION": FIRST}
+    assert launch._prepare_run_files(_config(tmp_path, slurm), None, slurm, first)
+    second = {"SLURM_ELASTIC_SUBMISSION": SECOND}
+    with caplog.at_level(logging.ERROR, logger="slurm_elastic.agent.launch"):
+        assert not launch._prepare_run_files(_config(tmp_path, slurm), None, slurm, second)
+    assert "another submission" in caplog.text

@@ -91,10 +91,15 @@ def test_requeue_restarts_only_that_task_with_restart_count(
 ) -> None:
     body = f"""
 echo "${{SLURM_RESTART_COUNT:-unset}}" >> '{tmp_path}'/runs.$SLURM_ARRAY_TASK_ID
+echo "${{SLURM_ELASTIC_SUBMISSION:-none}}" >> '{tmp_path}'/submission.$SLURM_ARRAY_TASK_ID
 exec sleep 300
 """
     client = slurm_cluster.client
-    job = client.submit(script(body), ["--array=0-1", "-o", "/dev/null"])
+    # The submission id of `slurm-elastic submit`, in sbatch's environment: every task
+    # gets it, and a requeued task again (agent/run_owner.py tells submissions apart).
+    token = "0123456789abcdef"
+    env = {"SLURM_ELASTIC_SUBMISSION": token}
+    job = client.submit(script(body), ["--array=0-1", "-o", "/dev/null"], env=env)
     try:
         wait_for(
             lambda: lines(tmp_path / "runs.0") and lines(tmp_path / "runs.1"), 30, "both to start"
@@ -114,6 +119,8 @@ exec sleep 300
         other = client.job_info(f"{job}_0")
         assert (other.state, other.restarts) == (JobState.RUNNING, 0)
         assert lines(tmp_path / "runs.0") == ["unset"]
+        assert lines(tmp_path / "submission.0") == [token]
+        assert lines(tmp_path / "submission.1") == [token, token]
     finally:
         client.cancel(job)
 

@@ -205,3 +205,33 @@ def test_log_paths_are_the_scripts_output_pattern_expanded(tmp_path: Path) -> No
     assert slurm_backend.log_paths(slurm_backend.plan(one), "7") == [
         tmp_path / "slurm-elastic-7.out"
     ]
+
+
+class _Recorder:
+    """The Slurm seam, recording what a submission sends (sbatch itself: test_cluster.py)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, str]]] = []
+
+    def submit(self, script: str, extra_args: object = (), *, cwd: object = None,
+               env: dict[str, str] | None = None) -> str:  # fmt: skip
+        self.sent.append((script, dict(env or {})))
+        return str(100 + len(self.sent))
+
+
+def test_each_submission_carries_its_own_id_outside_the_script(tmp_path: Path) -> None:
+    """The agents tell a job from an earlier one whose id Slurm repeats by an id of the
+    submission (agent/run_owner.py); the script stays the dry run's text."""
+    from slurm_elastic.envvars import SUBMISSION_ENV
+    from slurm_elastic.submit import slurm_backend
+
+    request = build_request({"entrypoint": "t.py", "output_dir": str(tmp_path)})
+    planned = slurm_backend.plan(request)
+    control = _Recorder()
+    slurm_backend.send(planned, control)  # type: ignore[arg-type]
+    slurm_backend.send(planned, control)  # type: ignore[arg-type]
+    (text1, env1), (text2, env2) = control.sent
+    assert text1 == text2 == planned.text
+    assert SUBMISSION_ENV not in planned.text
+    assert re.fullmatch(r"[0-9a-f]{16}", env1[SUBMISSION_ENV]), env1
+    assert env1[SUBMISSION_ENV] != env2[SUBMISSION_ENV]
