@@ -28,6 +28,7 @@ from slurm_elastic.cli.runs import RunLocation, locate
 from slurm_elastic.cli.summary import THROUGHPUT_WINDOW_S, RunSummary, SlurmTask, summarize_run
 from slurm_elastic.cli.untrusted import printable
 from slurm_elastic.errors import SlurmElasticError, SlurmError
+from slurm_elastic.exit_codes import ExitCode, describe
 from slurm_elastic.slurm.commands import SlurmClient
 
 __all__ = [
@@ -94,6 +95,7 @@ def _slurm_tasks(job: str, client: SlurmClient) -> tuple[list[SlurmTask], str | 
             nodes=i.node_list,
             restarts=i.restarts,
             reason=i.reason,
+            exit_code=i.exit_code,
         )
         for i in infos
     ]
@@ -214,12 +216,39 @@ def render_table(s: RunSummary) -> str:
                     for t in s.slurm_tasks
                 ],
             )
+            lines += _failed_task_hints(s.slurm_tasks)
         else:
             lines.append(f"slurm job {s.slurm_job}: {s.slurm_error or 'no record'}")
     if s.unknown_events:
         lines.append(f"({s.unknown_events} event(s) of kinds this version does not know)")
     lines.append(f"events: {s.events_dir}")
     return "\n".join(printable(line) for line in lines) + "\n"
+
+
+#: What an agent's failing exit status says about a task that ended with it.
+_FAILED_AGENT = {
+    ExitCode.FAILED: "its workers kept failing (max_restarts spent)",
+    ExitCode.USAGE: "it refused to start (configuration, or the run's directories or "
+    "owner: nothing was started)",
+    ExitCode.RENDEZVOUS_FAILED: "it could not join the rendezvous",
+}
+
+
+def _failed_task_hints(tasks: list[SlurmTask]) -> list[str]:
+    """One line per task that ended with a failing agent status: what it means, and
+    where the agent wrote why (the task's own output: the run's events and worker logs
+    may be an earlier job's when the agent refused to start)."""
+    lines = []
+    for t in tasks:
+        code = t.exit_code.split(":", 1)[0]
+        if t.state != "FAILED" or not code.isdigit() or int(code) not in _FAILED_AGENT:
+            continue
+        meaning = _FAILED_AGENT[ExitCode(int(code))]
+        lines.append(
+            f"task {t.ref}: agent exit {code} ({describe(int(code))}): {meaning}; the reason "
+            f"is the ERROR line of the task's Slurm output (scontrol show job {t.ref}: StdOut)"
+        )
+    return lines
 
 
 class ProgressPrinter:

@@ -56,6 +56,7 @@ class SlurmTask:
     nodes: str = ""
     restarts: int | None = None
     reason: str | None = None
+    exit_code: str = ""  # "code:signal" as Slurm prints it; "" when unknown
 
 
 @dataclass(frozen=True)
