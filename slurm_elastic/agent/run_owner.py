@@ -96,7 +96,7 @@ def check_run_cluster(
                 theirs = (recorded["cluster"], recorded.get("submission"))
                 if not all(v is None or isinstance(v, str) for v in theirs):
                     raise TypeError("cluster and submission must be strings")
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:
                 raise UnsafeDirectoryError(
                     f"run owner record {where} is damaged ({exc}); remove it when no agent "
                     f"of run {run_id!r} is running: rm {where}"
