@@ -68,7 +68,7 @@ from slurm_elastic.rendezvous.decisions import (
     round_broken,
 )
 from slurm_elastic.rendezvous.executor import OpLoop, Timing
-from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, node_file_name
+from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, WatchSchedule, node_file_name
 from slurm_elastic.rendezvous.join_intents import IntentBoard
 from slurm_elastic.rendezvous.member_links import MemberLinks
 from slurm_elastic.rendezvous.options import RendezvousOptions
@@ -250,50 +250,47 @@ class SlurmRendezvousHandler(RendezvousHandler):
 
     def _run_monitor(self, stop: threading.Event, wake: threading.Event) -> None:
         backend = self._era.backend()  # its own descriptors: not shared across threads
-        # Observe twice per beat interval: verdicts lag a stopped counter by at most
-        # half an interval (the window itself is unchanged).
-        tick = self._options.heartbeat_interval_s / 2
-        # _ensure_monitor has just beaten: the first tick (an observation) is half an
-        # interval later, the first beat here one interval later. (At start-up nothing
-        # can be judged yet: a first observation only records the counters it sees.)
-        next_tick = time.monotonic() + tick
-        ticks = 0
+        # Observe every half interval, every interval while calm: verdicts lag a stopped
+        # counter by at most half an interval (the window itself is unchanged).
+        schedule = WatchSchedule(self._options.heartbeat_interval_s)
         try:
             while True:
-                wake.wait(max(0.0, next_tick - time.monotonic()))
+                wake.wait(schedule.wait_s())
                 if stop.is_set():
                     return
-                if wake.is_set():  # a link ended: judge it now, not at the next tick
+                if wake.is_set():  # a link ended or went silent: judge it now / soon
                     wake.clear()
+                    schedule.hurry()
                     self._evict_gone(backend)
-                started = time.monotonic()
-                if started < next_tick:
-                    continue
-                next_tick = started + tick
-                ticks += 1
-                if ticks % 2 == 0:
-                    self._monitor.beat()
-                try:
-                    # ``head`` per tick, a probe past it every 4th (as the join's polls);
-                    # the view of an unchanged generation is kept with the rows it read.
-                    _, view = backend.view(probe=ticks % 4 == 0)
-                    if view.where(self._node) is not None:
-                        nodes: dict[str, Node] = {}
-                        dead = self._monitor.observe_ring(
-                            _named(ring_after(view, self._node), nodes)
-                        )
-                        if dead:
-                            self._evict(backend, [nodes[name] for name in dead])
-                        self._links.watch(view, nodes)
-                        cut = self._links.unreachable(view)
-                        if cut:
-                            self._evict(backend, cut, cause="unreachable")
-                    else:
-                        self._links.watch(view, {})
-                except Exception as exc:  # the watcher must outlive transient FS errors
-                    log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
+                tick = schedule.tick()
+                if tick is not None:
+                    if tick.beat:
+                        self._monitor.beat()
+                    schedule.observed(self._observe(backend, tick.probe))
         finally:
             backend.close()
+
+    def _observe(self, backend: FileRendezvousBackend, probe: bool) -> bool:
+        """One observation of the watched members; return whether all was calm."""
+        try:
+            # ``head`` per tick, a probe past it every 4th (as the join's polls); the
+            # view of an unchanged generation is kept with the rows it read.
+            _, view = backend.view(probe=probe)
+            if view.where(self._node) is None:
+                self._links.watch(view, {})
+                return True  # nothing to judge
+            nodes: dict[str, Node] = {}
+            dead = self._monitor.observe_ring(_named(ring_after(view, self._node), nodes))
+            if dead:
+                self._evict(backend, [nodes[name] for name in dead])
+            self._links.watch(view, nodes)
+            cut = self._links.unreachable(view)
+            if cut:
+                self._evict(backend, cut, cause="unreachable")
+            return self._monitor.calm and not self._links.suspects
+        except Exception as exc:  # the watcher must outlive transient FS errors
+            log.warning("rendezvous heartbeat watcher: %s: %s", type(exc).__name__, exc)
+            return False
 
     def _evict_gone(self, backend: FileRendezvousBackend) -> None:
         """Evict the watched members whose verified link ended (their process is gone)."""

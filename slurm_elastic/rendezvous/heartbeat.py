@@ -10,8 +10,9 @@ rewrites the whole state each interval. Here instead:
   while this window decides every silent loss);
 * every member watches only its ring *successors* (members sorted by name): it walks
   them in order and stops after ``successors`` of them that look alive, so a member
-  reads ``successors`` files per interval in the steady state (more only while some
-  are failing), whatever the number of nodes;
+  reads ``successors`` files per observation in the steady state (more only while some
+  are failing), whatever the number of nodes; it observes once per interval while all
+  of them beat and twice while one looks stalled (:attr:`HeartbeatMonitor.calm`);
 * a watched node is dead when its counter has not changed for ``miss_limit`` of the
   *watcher's* intervals, measured with the watcher's monotonic clock. Remote clocks
   are never compared, only observed changes.
@@ -39,7 +40,7 @@ from pathlib import Path
 from slurm_elastic.rendezvous.filesystem import RendezvousDir
 from slurm_elastic.rendezvous.link import RECORD
 
-__all__ = ["HeartbeatMonitor", "node_file_name"]
+__all__ = ["HeartbeatMonitor", "Tick", "WatchSchedule", "node_file_name"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class HeartbeatMonitor:
         self._reader = reader or self._read_counter
         self._counter = 0
         self._seen: dict[str, _Observation] = {}
+        self._calm = False
         #: Written after the counter in every beat: this agent's link record (.link).
         self.link_record = b""
         self._records: dict[str, bytes] = {}
@@ -110,6 +112,18 @@ class HeartbeatMonitor:
     def window_s(self) -> float:
         """How long a counter may stand still before its node is declared dead."""
         return self._interval * self._miss_limit
+
+    @property
+    def calm(self) -> bool:
+        """Whether the next observation may wait a whole interval, not half of one.
+
+        True when every node of the last observation beat lately and none is dead, and
+        the window is at least 4 intervals. A node that stops then looks suspect 1.5 to
+        2.5 intervals after its last beat, from when its watcher observes every half
+        interval again: a verdict still lags the window by at most half an interval,
+        while a calm ring costs half the reads (heartbeat files and ``head``).
+        """
+        return self._calm
 
     def beating(self, node: str) -> bool:
         """Whether ``node``'s counter moved lately, as this watcher last observed it.
@@ -135,6 +149,7 @@ class HeartbeatMonitor:
     def reset(self) -> None:
         """Forget every observation (after this watcher paused, e.g. left and rejoined)."""
         self._seen.clear()
+        self._calm = False
 
     def remove(self) -> None:
         """Delete this node's heartbeat file (graceful leave)."""
@@ -199,15 +214,17 @@ class HeartbeatMonitor:
         """
         now = self._clock()
         suspect_after = self._interval * 1.5
+        # A pause: an interval more than the gap the last observation asked for.
+        paused_after = self._interval * (2.0 if self._calm else 1.5)
         seen: dict[str, _Observation] = {}
         dead: list[str] = []
-        healthy = 0
+        healthy = suspect = 0
         for node in successors:
             if node == self.node or node in seen:
                 continue
             value = self._reader(node)
             previous = self._seen.get(node)
-            if previous is not None and now - previous.seen_at > 1.5 * self._interval:
+            if previous is not None and now - previous.seen_at > paused_after:
                 previous = None  # this watcher paused: start afresh, never judge across it
             if previous is None:
                 obs = _Observation(value, now, now)
@@ -225,6 +242,72 @@ class HeartbeatMonitor:
                 healthy += 1
                 if healthy >= self._successors:
                     break
+            else:
+                suspect += 1
+        self._calm = self._miss_limit >= 4 and not dead and not suspect
         self._seen = seen
         self._records = {n: r for n, r in self._records.items() if n in seen}
         return dead
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick of the watcher does: always observe; ``beat`` also; ``probe``: read
+    past ``head`` too."""
+
+    beat: bool
+    probe: bool
+
+
+class WatchSchedule:
+    """When the watcher thread beats and observes.
+
+    Ticks are half an interval apart; every 2nd beats (one beat per interval, as the
+    window assumes) and every 4th probes past ``head``. Every tick observes, except that
+    after a calm observation (:attr:`HeartbeatMonitor.calm`) the next tick without a
+    beat is skipped: a calm watcher wakes once per interval. :meth:`hurry` takes the
+    skipped tick back (a link reported something to judge).
+
+    Args:
+        interval_s: the beat interval.
+        clock: a monotonic clock (injectable for tests).
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._half = interval_s / 2
+        self._clock = clock
+        self._ticks = 0
+        self._skipped = False
+        # The caller has just beaten: the first tick (an observation) is half an
+        # interval later, the first beat one interval later.
+        self._due = clock() + self._half
+
+    def wait_s(self) -> float:
+        """Seconds until the next tick is due (0: now)."""
+        return max(0.0, self._due - self._clock())
+
+    def tick(self) -> Tick | None:
+        """The tick that is due now, None before it is (the next is then planned from
+        now: a held-up watcher does not catch up in a burst)."""
+        now = self._clock()
+        if now < self._due:
+            return None
+        self._ticks += 1
+        self._skipped = False
+        self._due = now + self._half
+        return Tick(beat=self._ticks % 2 == 0, probe=self._ticks % 4 == 0)
+
+    def observed(self, calm: bool) -> None:
+        """Report the observation of the tick just taken: calm skips the next beatless
+        tick."""
+        if calm and self._ticks % 2 == 0:
+            self._ticks += 1
+            self._due += self._half
+            self._skipped = True
+
+    def hurry(self) -> None:
+        """Take back a skipped tick: observe again half an interval after the last."""
+        if self._skipped:
+            self._skipped = False
+            self._ticks -= 1
+            self._due -= self._half

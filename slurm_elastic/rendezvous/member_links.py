@@ -157,6 +157,11 @@ class MemberLinks:
                 found.append(node)
         return found
 
+    @property
+    def suspects(self) -> bool:
+        """Whether a watched member's link went silent and awaits a verdict."""
+        return bool(self._unreached)
+
     def wait_reachable(self, members: list[Node], deadline: float) -> None:
         """Return once this node reaches one of ``members`` that runs (or none runs).
 

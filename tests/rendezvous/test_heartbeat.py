@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
-from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor
+import pytest
+
+from slurm_elastic.rendezvous.heartbeat import HeartbeatMonitor, Tick, WatchSchedule
 
 
 class FakeClock:
@@ -33,12 +36,14 @@ class Counters:
             self.values[n] = self.values.get(n, 0) + 1
 
 
-def _monitor(me: str, clock: FakeClock, counters: Counters, **kw: object) -> HeartbeatMonitor:
+def _monitor(
+    me: str, clock: FakeClock, counters: Counters, miss_limit: int = 3, **kw: object
+) -> HeartbeatMonitor:
     return HeartbeatMonitor(
         Path("/nonexistent"),
         me,
         interval_s=1.0,
-        miss_limit=3,
+        miss_limit=miss_limit,
         clock=clock,
         reader=counters,
         **kw,  # type: ignore[arg-type]
@@ -146,3 +151,113 @@ def test_a_paused_watcher_does_not_judge_across_its_pause() -> None:
     clock.advance(1.0)
     counters.bump("b")
     assert m.observe(["a", "b"]) == []
+
+
+def _drive(
+    monitor: HeartbeatMonitor,
+    clock: FakeClock,
+    counters: Counters,
+    beats: dict[str, list[float]],
+    until: float,
+) -> list[tuple[float, list[str]]]:
+    """Run the watcher's real schedule on the fake clock for ``until`` seconds: the nodes
+    beat at the given times; return (time, verdict) for every observation."""
+    members = [monitor.node, *beats]
+    schedule = WatchSchedule(1.0, clock=clock)
+    pending = {node: sorted(times) for node, times in beats.items()}
+    observations = []
+    while clock.t < until:
+        clock.advance(0.01)
+        for node, times in pending.items():
+            while times and times[0] <= clock.t:
+                times.pop(0)
+                counters.bump(node)
+        if schedule.tick() is not None:
+            observations.append((clock.t, monitor.observe(members)))
+            schedule.observed(monitor.calm)
+    return observations
+
+
+def test_a_calm_watcher_observes_once_per_interval_and_reads_half_as_often() -> None:
+    clock, counters = FakeClock(), Counters()
+    m = _monitor("a", clock, counters, miss_limit=5, successors=2)
+    beats = {"b": [0.3 + k for k in range(60)], "c": [0.7 + k for k in range(60)]}
+    observations = _drive(m, clock, counters, beats, until=30.0)
+    assert all(verdict == [] for _, verdict in observations)
+    late = [t for t, _ in observations if t >= 10.0]
+    assert 19 <= len(late) <= 21  # once per interval, not twice
+    assert m.calm
+
+
+def test_a_stopped_node_is_judged_within_half_an_interval_of_the_window_while_calm() -> None:
+    # The verdict's lag is what it was with an observation every half interval: a
+    # stalled counter makes the watcher observe twice per interval again.
+    for phase in (0.05, 0.3, 0.55, 0.8):
+        clock, counters = FakeClock(), Counters()
+        m = _monitor("a", clock, counters, miss_limit=5, successors=1)
+        last = 10 + phase
+        beats = {"b": [phase + k for k in range(11)]}  # b's last beat: at ``last``
+        observations = _drive(m, clock, counters, beats, until=25.0)
+        first_dead = next(t for t, verdict in observations if verdict == ["b"])
+        assert last + 5.0 - 0.5 <= first_dead <= last + 5.0 + 1.0, (phase, first_dead)
+        stalled = [t for t, _ in observations if last + 3.0 <= t <= first_dead]
+        gaps = [b - a for a, b in itertools.pairwise(stalled)]
+        assert gaps and max(gaps) <= 0.5 + 0.02, (phase, gaps)
+
+
+def test_jittery_beats_are_never_judged_dead_by_a_calm_watcher() -> None:
+    import random
+
+    rng = random.Random(7)
+    clock, counters = FakeClock(), Counters()
+    m = _monitor("a", clock, counters, miss_limit=4, successors=1)
+    times, t = [], 0.0
+    while t < 120:
+        t += rng.uniform(0.6, 1.4)  # beats held up by a loaded node
+        times.append(t)
+    observations = _drive(m, clock, counters, {"b": times}, until=120.0)
+    assert all(verdict == [] for _, verdict in observations)
+
+
+def test_a_short_window_keeps_two_observations_per_interval() -> None:
+    clock, counters = FakeClock(), Counters()
+    m = _monitor("a", clock, counters, miss_limit=3, successors=1)
+    observations = _drive(m, clock, counters, {"b": [0.5 + k for k in range(30)]}, until=20.0)
+    assert not m.calm
+    assert len([t for t, _ in observations if t >= 10.0]) >= 19  # every half interval
+
+
+def test_a_calm_watcher_allows_its_own_longer_gap_before_calling_it_a_pause() -> None:
+    clock, counters = FakeClock(), Counters()
+    m = _monitor("a", clock, counters, miss_limit=5, successors=1)
+    counters.bump("b")
+    m.observe(["a", "b"])  # b's baseline at t=0; b beats no more
+    assert m.calm
+    clock.advance(1.8)  # a whole interval, held up by 0.8 s: not a pause of the watcher
+    assert m.observe(["a", "b"]) == []
+    assert not m.calm  # b is suspect (a re-baseline would have called it fresh)
+    verdicts = []
+    while clock.t < 8.0:
+        clock.advance(0.5)
+        verdicts.append((clock.t, m.observe(["a", "b"])))
+    first_dead = next(t for t, verdict in verdicts if verdict == ["b"])
+    assert first_dead == pytest.approx(5.3)  # judged from t=0, not from t=1.8
+
+
+def test_hurry_takes_back_the_skipped_tick() -> None:
+    clock = FakeClock()
+    schedule = WatchSchedule(1.0, clock=clock)
+    clock.advance(1.0)
+    assert schedule.tick() == Tick(beat=False, probe=False)
+    schedule.observed(calm=True)  # an odd tick: the next (a beat) is not skipped
+    assert schedule.wait_s() == 0.5
+    clock.advance(0.5)
+    assert schedule.tick() == Tick(beat=True, probe=False)
+    schedule.observed(calm=True)
+    assert schedule.wait_s() == 1.0  # the beatless tick is skipped
+    schedule.hurry()
+    assert schedule.wait_s() == 0.5
+    clock.advance(0.5)
+    assert schedule.tick() == Tick(beat=False, probe=False)
+    clock.advance(0.5)
+    assert schedule.tick() == Tick(beat=True, probe=True)
