@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import hmac
 import logging
@@ -93,6 +94,12 @@ RETRY_S = 1.0
 MAX_INCOMING = 64
 _PING = b"?"
 _PONG = b"!"
+
+
+@functools.cache
+def _dualstack() -> bool:
+    """Whether this host has dual-stack IPv6 (asked once: the test opens a socket)."""
+    return socket.has_dualstack_ipv6()
 
 
 def answer(secret: bytes, nonce: bytes) -> bytes:
@@ -199,7 +206,7 @@ class ProcessLink:
     def _listen() -> socket.socket:
         """Listen on every address (the advertised name may resolve differently here,
         e.g. to Debian's 127.0.1.1): dual-stack where IPv6 exists, else IPv4."""
-        if socket.has_dualstack_ipv6():
+        if _dualstack():
             try:
                 sock = socket.create_server(
                     ("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=MAX_INCOMING
