@@ -187,6 +187,10 @@ def test_a_calm_watcher_observes_once_per_interval_and_reads_half_as_often() -> 
     late = [t for t, _ in observations if t >= 10.0]
     assert 19 <= len(late) <= 21  # once per interval, not twice
     assert m.calm
+    # Two heartbeat files per observation: about 2 reads per interval over the 30 s
+    # (4 when every half interval observed).
+    assert len(counters.reads) == 2 * len(observations)
+    assert len(counters.reads) <= 2 * 31
 
 
 def test_a_stopped_node_is_judged_within_half_an_interval_of_the_window_while_calm() -> None:
