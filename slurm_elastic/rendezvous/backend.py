@@ -54,6 +54,7 @@ from slurm_elastic.privatefs.records import FRAME_HEADER, RecordError, frame, fr
 from slurm_elastic.rendezvous.filesystem import FS_OPS, MissingDirectoryError, RendezvousDir
 from slurm_elastic.rendezvous.state import (
     MalformedRecordError,
+    RowCache,
     State,
     StateView,
     decode_state,
@@ -134,11 +135,17 @@ class FileRendezvousBackend(RendezvousBackend):
             checked with :meth:`RendezvousDir.open_tree`, and initialised when empty; for
             tests and tools).
 
+        rows: checked rows shared with the agent's other backends (see
+            :class:`~.state.RowCache`).
+
     Raises:
         RendezvousSetupError: a path that is unsafe (see :class:`RendezvousDir`).
     """
 
-    def __init__(self, directory: RendezvousDir | Path | str) -> None:
+    def __init__(
+        self, directory: RendezvousDir | Path | str, *, rows: RowCache | None = None
+    ) -> None:
+        self._rows = rows if rows is not None else RowCache()
         if isinstance(directory, RendezvousDir):
             self._root = directory
         else:
@@ -463,7 +470,7 @@ class FileRendezvousBackend(RendezvousBackend):
                 raise MalformedRecordError(str(exc)) from exc
             if number != gen or length != size - _PREFIX:
                 raise MalformedRecordError(f"header says generation {number}, {length} bytes")
-            return StateView(read_at, length)
+            return StateView(read_at, length, self._rows)
         except MalformedRecordError as exc:
             raise self._malformed(gen, str(exc)) from exc
 

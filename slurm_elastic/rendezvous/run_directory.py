@@ -52,7 +52,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from slurm_elastic.errors import RendezvousSetupError, RunIdInUseError
 from slurm_elastic.rendezvous.backend import FileRendezvousBackend, init_state_dir
 from slurm_elastic.rendezvous.filesystem import RendezvousDir
-from slurm_elastic.rendezvous.state import decode_state
+from slurm_elastic.rendezvous.state import RowCache, decode_state
 
 __all__ = ["Era", "Incarnation", "RunDirectory", "RunIdInUseError", "safe_component"]
 
@@ -142,6 +142,7 @@ class Era:
         self._hb: RendezvousDir | None = None
         self._keys: RendezvousDir | None = None
         self._intents: RendezvousDir | None = None
+        self._rows = RowCache()  # one agent's backends share the rows they checked
 
     @property
     def path(self) -> Path:
@@ -179,7 +180,7 @@ class Era:
 
     def backend(self) -> FileRendezvousBackend:
         """Return a new backend object on this era (one per thread)."""
-        return FileRendezvousBackend(self.dir)
+        return FileRendezvousBackend(self.dir, rows=self._rows)
 
     def meta(self) -> dict[str, Any] | None:
         """Return the era's metadata, or None when missing or malformed."""

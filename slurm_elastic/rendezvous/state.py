@@ -302,6 +302,34 @@ def decode_state(payload: bytes) -> State:
     )  # fmt: skip
 
 
+class RowCache:
+    """Rows already checked, by their bytes: shared by the views of one agent.
+
+    A row's bytes (its CRC line) determine its node, so a row met again (in the next
+    generation, or by the agent's other thread in the same one) is not parsed and
+    checked again. Most of a view's cost is those checks: a lookup on a fresh view of
+    4,096 rows checks 12-36 rows. Safe across threads (single dictionary operations);
+    bounded: emptied when it holds ``limit`` rows.
+    """
+
+    def __init__(self, limit: int = 8192) -> None:
+        self._nodes: dict[bytes, Node] = {}
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def node(self, raw: bytes, section: int, index: int) -> Node:
+        """The node of row ``raw`` (checked on first sight)."""
+        node = self._nodes.get(raw)
+        if node is None:
+            node = _node(raw, f"row {index} of section {section}")
+            if len(self._nodes) >= self._limit:
+                self._nodes.clear()
+            self._nodes[raw] = node
+        return node
+
+
 class StateView:
     """One published state, read lazily: the header, then single rows on demand.
 
@@ -312,13 +340,17 @@ class StateView:
     Args:
         read_at: ``read_at(offset, size)`` returns those bytes of the payload.
         size: the payload's length.
+        rows: rows checked before (by this agent's other views), reused.
 
     Raises:
         MalformedRecordError: the header or a row read is malformed.
     """
 
-    def __init__(self, read_at: Callable[[int, int], bytes], size: int) -> None:
+    def __init__(
+        self, read_at: Callable[[int, int], bytes], size: int, rows: RowCache | None = None
+    ) -> None:
         self._read_at = read_at
+        self._cache = rows if rows is not None else RowCache()
         self._h = _Header.parse(read_at(0, HEADER_BYTES))
         if size != self._h.size():
             raise MalformedRecordError(f"state of {size} bytes, its header says {self._h.size()}")
@@ -355,7 +387,7 @@ class StateView:
             )
             if raw is None:
                 raw = self._read_at(self._h.offset(section, index), row)
-            node = self._rows[key] = _node(raw, f"row {index} of section {section}")
+            node = self._rows[key] = self._cache.node(raw, section, index)
         return node
 
     def index(self, node: Node, section: int) -> int | None:

@@ -19,6 +19,7 @@ from slurm_elastic.rendezvous.state import (
     SECTIONS,
     MalformedRecordError,
     Node,
+    RowCache,
     State,
     StateView,
     decode_state,
@@ -146,6 +147,56 @@ def test_a_node_in_two_sections_is_refused() -> None:
     s.spares.add(twice)
     with pytest.raises(MalformedRecordError, match="two sections"):
         decode_state(encode_state(s))
+
+
+def test_an_agents_views_check_each_row_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The join thread and the watcher open every generation, and each lookup on a fresh
+    # view checks ~12 rows per section: rows already checked (same bytes) are reused.
+    import slurm_elastic.rendezvous.state as state_module
+
+    parsed: list[bytes] = []
+    real = state_module._node
+
+    def counting(raw: bytes, what: str) -> Node:
+        parsed.append(raw)
+        return real(raw, what)
+
+    monkeypatch.setattr(state_module, "_node", counting)
+    s = _state(4096, seed=2)
+    me = s.sorted(PARTICIPANTS)[777]
+    rows = RowCache()
+    payload = encode_state(s)
+    first = StateView(lambda at, n: payload[at : at + n], len(payload), rows)
+    assert first.where(me) == PARTICIPANTS
+    once = len(parsed)
+    assert 8 <= once <= 16
+    again = StateView(lambda at, n: payload[at : at + n], len(payload), rows)  # other thread
+    assert again.where(me) == PARTICIPANTS and len(parsed) == once
+    assert again.node_at(PARTICIPANTS, 777) is first.node_at(PARTICIPANTS, 777)
+    # The next generation (one more member): the same lookup checks only rows it has not met.
+    s.participants.add(Node("10.0.0.0", 1, 0))
+    s.world = s.count(PARTICIPANTS)
+    payload2 = encode_state(s)
+    later = StateView(lambda at, n: payload2[at : at + n], len(payload2), rows)
+    assert later.where(me) == PARTICIPANTS
+    assert len(parsed) - once < once
+    # Damage is still found: a damaged row's bytes are not the cached row's.
+    damaged = bytearray(payload)
+    width = (len(payload) - HEADER_BYTES) // 4096
+    damaged[HEADER_BYTES + 777 * width + 12] ^= 1  # participants come first
+    hurt = StateView(lambda a, n: bytes(damaged[a : a + n]), len(damaged), rows)
+    with pytest.raises(MalformedRecordError, match="checksum"):
+        hurt.where(me)
+
+
+def test_a_row_cache_is_bounded() -> None:
+    s = _state(300, seed=3)
+    payload = encode_state(s)
+    rows = RowCache(limit=20)
+    view = StateView(lambda at, n: payload[at : at + n], len(payload), rows)
+    for i in range(s.count(PARTICIPANTS)):
+        assert view.node_at(PARTICIPANTS, i) == s.node_at(PARTICIPANTS, i)
+        assert len(rows) <= 20
 
 
 def test_a_lazy_reader_refuses_a_damaged_row_it_reads() -> None:
