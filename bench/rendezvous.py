@@ -444,6 +444,8 @@ _SIM_AGENTS_PER_PROCESS = 64
 #: agents, 128 per process, 60 s at 5 ms, 11-13 s at 1 s; context switches are expensive
 #: in this VM).
 _SIM_SWITCH_INTERVAL_S = 1.0
+
+
 def sim_conf(n: int) -> dict[str, str]:
     """The simulated agents' rendezvous options for a formation of ``n`` agents.
 
