@@ -51,6 +51,8 @@ Prints a table and one JSON object per case. ``--quick``: fewer sizes, one repet
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -63,6 +65,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import closing
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -633,6 +636,71 @@ def machine_probe(work: Path, n: int = 1024) -> float:
     return used / (64 * len(procs)) * 1e6
 
 
+def cpu_probe() -> float:
+    """CPU milliseconds of a fixed pure-Python loop: this machine's speed at the time.
+
+    On this VM the probe took 78-145 ms within one minute with nothing else running
+    (2026-12-06; the kernel reported no steal time), and the simulated formations,
+    CPU-bound at 4,096 agents, move with it: every record carries the probe taken just
+    before its run.
+    """
+    t = time.process_time()
+    total = 0
+    for i in range(2_000_000):
+        total += i
+    return (time.process_time() - t) * 1e3
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _time_wait_sockets() -> int:
+    """TCP sockets in TIME_WAIT in this network namespace (IPv4 and IPv6)."""
+    total = 0
+    for name in ("/proc/net/sockstat", "/proc/net/sockstat6"):
+        with contextlib.suppress(OSError):
+            for line in Path(name).read_text().splitlines():
+                fields = line.split()
+                if fields and fields[0] in ("TCP:", "TCP6:") and "tw" in fields:
+                    total += int(fields[fields.index("tw") + 1])
+    return total
+
+
+@contextlib.contextmanager
+def _own_network() -> Iterator[str]:
+    """Processes forked inside get a fresh network namespace (loopback up, nothing else).
+
+    A formation of 4,096 simulated agents opens ~20,000 TCP connections on this one
+    kernel and leaves about as many sockets in TIME_WAIT for 60 s: the next run's
+    listeners and connects then search a port range that is mostly taken (a listener's
+    bind to port 0 went from 0.01 ms to 0.5-1.2 ms here), so back-to-back runs measured
+    the previous run's leftovers (4,096 agents: 13-21 s after a run, 10.4-11.8 s with
+    them expired). Real nodes each have their own ports; each run here gets its own
+    namespace, gone (with its TIME_WAIT sockets) when its processes exit. Needs root and
+    ``ip``; otherwise the run shares the machine's and the record says how many
+    TIME_WAIT sockets it started with. Yields that note.
+    """
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        yield f"shared ({_time_wait_sockets()} TIME_WAIT sockets at the start)"
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.unshare(_CLONE_NEWNET) != 0:
+            yield f"shared ({_time_wait_sockets()} TIME_WAIT sockets at the start)"
+            return
+        try:
+            subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+            yield "own namespace per run (loopback only)"
+        finally:
+            if libc.setns(home, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot return to this process's network namespace: "
+                              f"{os.strerror(err)}")  # fmt: skip
+    finally:
+        os.close(home)
+
+
 def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, Any]:
     """N simulated agents form one round (min = max = N) on one shared directory, end to end.
 
@@ -656,16 +724,17 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
     counts = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
     go = fork.Event()
     procs, conns = [], []
-    for count in counts:
-        parent, child = fork.Pipe()
-        proc = fork.Process(
-            target=_sim_process,
-            args=(child, go, str(root), run_id, n, count, store),
-            daemon=True,
-        )
-        proc.start()
-        procs.append(proc)
-        conns.append(parent)
+    with _own_network() as net:
+        for count in counts:
+            parent, child = fork.Pipe()
+            proc = fork.Process(
+                target=_sim_process,
+                args=(child, go, str(root), run_id, n, count, store),
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+            conns.append(parent)
     try:
         for conn in conns:
             if not conn.poll(600):
@@ -701,6 +770,7 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
         "ops": sum(res["ops"] for res in results) / n,
         "bytes": sum(res["bytes"] for res in results) / n,
         "processes": nproc,
+        "net": net,
         # CPU seconds the simulation processes spent from the common start until their
         # last agent was done: against the wall time, whether the cores were the limit.
         "cpu_s": sum(res["cpu"] for res in results),
@@ -826,21 +896,24 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for _ in range(3 if n <= 1024 else 1):
                 probe_us = machine_probe(work)
-                runs.append((simulate_formation(work, n, store=True), probe_us))
+                cpu_ms = cpu_probe()
+                runs.append((simulate_formation(work, n, store=True), probe_us, cpu_ms))
             runs.sort(key=lambda r: r[0]["seconds"] if r[0]["seconds"] is not None else 1e9)
             e2e = runs[len(runs) // 2][0]
             budget = SIM_TARGETS_S.get(n)
             report(
                 f"formation_e2e_sim/N={n}", e2e["seconds"], budget, 1.0,
-                bool(all(r["ok"] for r, _ in runs) and e2e["seconds"] is not None
+                bool(all(r["ok"] for r, _, _ in runs) and e2e["seconds"] is not None
                      and (budget is None or e2e["seconds"] <= budget)),
                 "s: set-up + join + one store connection per agent, median of the runs "
                 "(baseline: the budget; none above 4096)",
                 setup_s=e2e["setup_s"], bytes_per_agent=e2e["bytes"], cpu_s=e2e.get("cpu_s"),
                 setup_cpu_s=e2e.get("setup_cpu_s"), join_cpu_s=e2e.get("join_cpu_s"),
                 without_store_s=sim.get(n, {}).get("seconds"),
-                runs_s=[r["seconds"] for r, _ in runs],
-                probe_us_per_create=[round(p, 1) for _, p in runs],
+                runs_s=[r["seconds"] for r, _, _ in runs],
+                probe_us_per_create=[round(p, 1) for _, p, _ in runs],
+                cpu_probe_ms=[round(c) for _, _, c in runs],
+                net=e2e.get("net"),
             )  # fmt: skip
         if 8 in sim and 256 in sim:
             o, b = sim[256]["ops"], sim[8]["ops"]
