@@ -134,7 +134,6 @@ class FileRendezvousBackend(RendezvousBackend):
             :func:`init_state_dir`: a checked :class:`RendezvousDir`, or a path (opened and
             checked with :meth:`RendezvousDir.open_tree`, and initialised when empty; for
             tests and tools).
-
         rows: checked rows shared with the agent's other backends (see
             :class:`~.state.RowCache`).
 
