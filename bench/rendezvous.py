@@ -672,10 +672,11 @@ def _own_network() -> Iterator[str]:
 
     A formation of 4,096 simulated agents opens ~20,000 TCP connections on this one
     kernel and leaves about as many sockets in TIME_WAIT for 60 s: the next run's
-    listeners and connects then search a port range that is mostly taken (a listener's
-    bind to port 0 went from 0.01 ms to 0.5-1.2 ms here), so back-to-back runs measured
-    the previous run's leftovers (4,096 agents: 13-21 s after a run, 10.4-11.8 s with
-    them expired). Real nodes each have their own ports; each run here gets its own
+    listeners and connects then search a port range that is mostly taken (a bind to
+    port 0 took 0.01 ms with a free range and 0.5-1.2 ms with 12,000-16,000 ports held
+    by listeners, measured here), so back-to-back runs started from the previous run's
+    leftovers; how much that moved a formation was not separated from this VM's noise.
+    Real nodes each have their own ports; each run here gets its own
     namespace, gone (with its TIME_WAIT sockets) when its processes exit. Needs root and
     ``ip``; otherwise the run shares the machine's and the record says how many
     TIME_WAIT sockets it started with. Yields that note.
