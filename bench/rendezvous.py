@@ -562,10 +562,24 @@ def _sim_process(
     go.wait()
     fs.FS_OPS.reset()
     cpu0 = time.process_time()
+    before = _task_cpu()
     start.set()
     for t in threads:
         t.join(900)
     cpu = time.process_time() - cpu0
+    after = _task_cpu()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    by_name: dict[str, float] = {}
+    for tid, used in after.items():  # the threads alive at the end
+        name = names.get(tid, "")
+        key = (
+            "watchers" if "heartbeat" in name
+            else "links" if "link" in name
+            else "main" if name == "MainThread"
+            else "native (the store server's)" if not name
+            else "other"
+        )  # fmt: skip
+        by_name[key] = by_name.get(key, 0.0) + used - before.get(tid, 0.0)
     finished = [d for d in done if d is not None]
     conn.send(
         {
@@ -573,15 +587,30 @@ def _sim_process(
             "made": max((m for m in made if m is not None), default=None),
             "ranks": ranks,
             "ops": fs.FS_OPS.total(),
+            "ops_by_kind": fs.FS_OPS.snapshot(),
             "bytes": fs.FS_OPS.bytes_read(),
             "errors": errs[:3],
             "failed": len(errs),
             "cpu": cpu,
             "phase_cpu": phase_cpu,
+            "thread_cpu": by_name,
         }
     )
     conn.recv()  # keep the round (and its store) up until every process reported
     os._exit(0)
+
+
+def _task_cpu() -> dict[int, float]:
+    """CPU seconds of each thread of this process, by thread id (Linux ``schedstat``:
+    nanoseconds; ``stat`` counts whole clock ticks, and a watcher uses about a
+    millisecond)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[int(tid)] = (
+                int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+            )
+    return out
 
 
 def _create_probe_proc(directory: str, count: int, go: Any, out: Any) -> None:
@@ -769,6 +798,10 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
         "seconds": (max(dones) - t0) if dones else None,
         "setup_s": max((r["made"] for r in results if r.get("made")), default=t0) - t0,
         "ops": sum(res["ops"] for res in results) / n,
+        "ops_by_kind": {
+            kind: round(sum(res["ops_by_kind"].get(kind, 0) for res in results) / n, 2)
+            for kind in sorted({k for res in results for k in res["ops_by_kind"]})
+        },
         "bytes": sum(res["bytes"] for res in results) / n,
         "processes": nproc,
         "net": net,
@@ -777,6 +810,12 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
         "cpu_s": sum(res["cpu"] for res in results),
         "setup_cpu_s": sum(res["phase_cpu"][0] for res in results),
         "join_cpu_s": sum(res["phase_cpu"][1] for res in results),
+        # CPU seconds from the common start of the threads still running at the end, by
+        # kind (the agents' own threads have ended: setup_cpu_s and join_cpu_s)
+        "thread_cpu_s": {
+            name: round(sum(res["thread_cpu"].get(name, 0.0) for res in results), 2)
+            for name in sorted({k for res in results for k in res["thread_cpu"]})
+        },
     }
 
 
@@ -914,7 +953,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs_s=[r["seconds"] for r, _, _ in runs],
                 probe_us_per_create=[round(p, 1) for _, p, _ in runs],
                 cpu_probe_ms=[round(c) for _, _, c in runs],
-                net=e2e.get("net"),
+                net=e2e.get("net"), ops_per_agent=e2e["ops"],
+                ops_by_kind_per_agent=e2e.get("ops_by_kind"),
+                thread_cpu_s=e2e.get("thread_cpu_s"),
             )  # fmt: skip
         if 8 in sim and 256 in sim:
             o, b = sim[256]["ops"], sim[8]["ops"]
