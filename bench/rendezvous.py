@@ -641,10 +641,13 @@ def machine_probe(work: Path, n: int = 1024) -> float:
     """CPU microseconds per file creation when ``n`` threads (64 per process) create one
     file each in one directory at once: the machine's state at the time of a case.
 
-    On this VM it is bimodal: about 80-100 us in quiet periods and 1,000-2,400 us in
-    others (the same code, minutes apart; syscalls that contend for a lock are 15-25x
-    slower). The simulated formations make thousands of such calls, so their times
-    follow it: every record carries the probe taken just before it.
+    On this VM it is bimodal: 20-150 us in some periods and 300-2,400 us in others (the
+    same code, minutes apart). The slow mode is ext4's inode allocator skipping inodes
+    deleted in the last minutes (``recently_deleted``, found with ``perf``; one thread
+    alone paid 286 us per creation under ``/tmp`` while ``/var/tmp`` on the same disk
+    took 9 us): it follows the deletions made near the directory, by anything on the
+    machine. The simulated formations make thousands of creations, so their times follow
+    it: every record carries the probe taken just before it.
     """
     fork = mp.get_context("fork")
     directory = Path(tempfile.mkdtemp(prefix="probe-", dir=work))
@@ -661,7 +664,11 @@ def machine_probe(work: Path, n: int = 1024) -> float:
     used = sum(r.recv() for r, _ in pipes if r.poll(120))
     for proc in procs:
         proc.join(10)
-    shutil.rmtree(directory, ignore_errors=True)
+    # The files stay until the bench ends (its work directory goes then): deleting them
+    # here would slow the run measured next. This VM's ext4 skips inodes deleted within
+    # the last 1-5 minutes when it allocates one, scanning past them (``recently_deleted``
+    # under ``__ext4_new_inode`` was most of a creation's CPU in a profile here), so every
+    # creation near a fresh deletion costs more.
     return used / (64 * len(procs)) * 1e6
 
 
@@ -707,26 +714,40 @@ def _own_network() -> Iterator[str]:
     leftovers; how much that moved a formation was not separated from this VM's noise.
     Real nodes each have their own ports; each run here gets its own
     namespace, gone (with its TIME_WAIT sockets) when its processes exit. Needs root and
-    ``ip``; otherwise the run shares the machine's and the record says how many
-    TIME_WAIT sockets it started with. Yields that note.
+    ``ip`` (and a loopback the new namespace can bring up); otherwise the run shares the
+    machine's and the record says why and how many TIME_WAIT sockets it started with.
+    Yields that note.
     """
     if os.geteuid() != 0 or not shutil.which("ip"):
         yield f"shared ({_time_wait_sockets()} TIME_WAIT sockets at the start)"
         return
     libc = ctypes.CDLL(None, use_errno=True)
     home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    def go_home() -> None:
+        if libc.setns(home, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot return to this process's network namespace: "
+                          f"{os.strerror(err)}")  # fmt: skip
+
     try:
         if libc.unshare(_CLONE_NEWNET) != 0:
             yield f"shared ({_time_wait_sockets()} TIME_WAIT sockets at the start)"
             return
         try:
-            subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+            up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+            failed = (up.stderr.strip() or f"exit status {up.returncode}") if up.returncode else ""
+        except OSError as exc:
+            failed = str(exc)
+        if failed:  # no loopback in the new namespace: back to the machine's
+            go_home()
+            yield (f"shared (no loopback in a new namespace: {failed}; "
+                   f"{_time_wait_sockets()} TIME_WAIT sockets at the start)")  # fmt: skip
+            return
+        try:
             yield "own namespace per run (loopback only)"
         finally:
-            if libc.setns(home, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot return to this process's network namespace: "
-                              f"{os.strerror(err)}")  # fmt: skip
+            go_home()
     finally:
         os.close(home)
 
