@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -478,8 +479,6 @@ def _warm_up(root: str, conf: dict[str, str]) -> None:
     they would be serialised on this machine's cores. The warm-up round uses its own
     run id, so nothing of the measured round is done in advance.
     """
-    import gc
-
     from slurm_elastic.rendezvous import create_handler
 
     run_id = f"warm-{os.getpid()}-{time.time_ns()}"
@@ -594,10 +593,20 @@ def _sim_process(
             "cpu": cpu,
             "phase_cpu": phase_cpu,
             "thread_cpu": by_name,
+            "pss_mb": _pss_mb(),
         }
     )
     conn.recv()  # keep the round (and its store) up until every process reported
     os._exit(0)
+
+
+def _pss_mb() -> float | None:
+    """This process's proportional set size (its private pages plus its share of the
+    shared ones), MiB; None where the kernel does not say."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+        return int(next(x for x in lines if x.startswith("Pss:")).split()[1]) / 1024
+    return None
 
 
 def _task_cpu() -> dict[int, float]:
@@ -775,6 +784,12 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
     counts = [n // nproc + (1 if i < n % nproc else 0) for i in range(nproc)]
     go = fork.Event()
     procs, conns = [], []
+    # The children must not copy this process's heap (torch's objects): a collection in
+    # a child writes to every tracked object's page, so each would get its own copy.
+    # Frozen objects are not traversed (1,024 agents in 16 processes: 938 MiB of
+    # proportional set size without this, 433 with it, measured here).
+    gc.collect()
+    gc.freeze()
     with _own_network() as net:
         for count in counts:
             parent, child = fork.Pipe()
@@ -786,6 +801,7 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
             proc.start()
             procs.append(proc)
             conns.append(parent)
+    gc.unfreeze()  # the children keep theirs frozen; this process collects again
     try:
         for conn in conns:
             if not conn.poll(600):
@@ -833,6 +849,8 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
         "join_cpu_s": sum(res["phase_cpu"][1] for res in results),
         # CPU seconds from the common start of the threads still running at the end, by
         # kind (the agents' own threads have ended: setup_cpu_s and join_cpu_s)
+        # the memory of the simulation's processes (sum of their proportional set sizes)
+        "sim_pss_mb": round(sum(res.get("pss_mb") or 0.0 for res in results)),
         "thread_cpu_s": {
             name: round(sum(res["thread_cpu"].get(name, 0.0) for res in results), 2)
             for name in sorted({k for res in results for k in res["thread_cpu"]})
@@ -976,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_probe_ms=[round(c) for _, _, c in runs],
                 net=e2e.get("net"), ops_per_agent=e2e["ops"],
                 ops_by_kind_per_agent=e2e.get("ops_by_kind"),
-                thread_cpu_s=e2e.get("thread_cpu_s"),
+                thread_cpu_s=e2e.get("thread_cpu_s"), sim_pss_mb=e2e.get("sim_pss_mb"),
             )  # fmt: skip
         if 8 in sim and 256 in sim:
             o, b = sim[256]["ops"], sim[8]["ops"]
