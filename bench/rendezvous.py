@@ -600,6 +600,32 @@ def _sim_process(
     os._exit(0)
 
 
+def _mem_available_mb() -> float | None:
+    """MemAvailable of this machine, MiB (None where the kernel does not say)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return int(next(x for x in lines if x.startswith("MemAvailable:")).split()[1]) / 1024
+    return None
+
+
+def too_big(n: int, mb_per_agent: float | None, available_mb: float | None) -> str | None:
+    """Why a simulation of ``n`` agents must not run here, or None.
+
+    ``mb_per_agent``: the most a smaller simulation of this run used per agent (of 1,024
+    agents or more: full processes, the per-process part spread over 64). A run
+    that needs more memory than the machine has does not fail, it thrashes (16,384
+    agents on this 23 GB VM: 16 minutes at a load average of 12,000 until it was
+    killed), so it is refused with 1.5x the smaller runs' memory per agent as margin.
+    """
+    if mb_per_agent is None or available_mb is None:
+        return None
+    need = 1.5 * mb_per_agent * n
+    if need <= available_mb:
+        return None
+    return (f"not run: about {need / 1024:.1f} GiB needed at {mb_per_agent:.2f} MiB per "
+            f"agent (x1.5), {available_mb / 1024:.1f} GiB available")  # fmt: skip
+
+
 def _pss_mb() -> float | None:
     """This process's proportional set size (its private pages plus its share of the
     shared ones), MiB; None where the kernel does not say."""
@@ -847,10 +873,10 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
         "cpu_s": sum(res["cpu"] for res in results),
         "setup_cpu_s": sum(res["phase_cpu"][0] for res in results),
         "join_cpu_s": sum(res["phase_cpu"][1] for res in results),
-        # CPU seconds from the common start of the threads still running at the end, by
-        # kind (the agents' own threads have ended: setup_cpu_s and join_cpu_s)
         # the memory of the simulation's processes (sum of their proportional set sizes)
         "sim_pss_mb": round(sum(res.get("pss_mb") or 0.0 for res in results)),
+        # CPU seconds from the common start of the threads still running at the end, by
+        # kind (the agents' own threads have ended: setup_cpu_s and join_cpu_s)
         "thread_cpu_s": {
             name: round(sum(res["thread_cpu"].get(name, 0.0) for res in results), 2)
             for name in sorted({k for res in results for k in res["thread_cpu"]})
@@ -946,10 +972,18 @@ def main(argv: list[str] | None = None) -> int:
             [8, 256, 1024, 4096] if args.quick else [8, 256, 1024, 4096, 8192, 16384]
         )  # fmt: skip
         sim: dict[int, dict[str, Any]] = {}
+        mb_per_agent: float | None = None  # the most a simulation of this run used
         for n in sim_sizes:
+            refused = too_big(n, mb_per_agent, _mem_available_mb())
+            if refused:
+                report(f"formation_sim/N={n}", None, None, 0.0, False, refused)
+                continue
             # Small sizes take < 1 s: three runs each, ops averaged (their timing is
             # scheduler noise on a loaded machine), seconds the median.
             runs = [simulate_formation(work, n, store=False) for _ in range(3 if n <= 256 else 1)]
+            for r in runs:
+                if r.get("sim_pss_mb") and n >= 1024:  # full processes of agents
+                    mb_per_agent = max(mb_per_agent or 0.0, r["sim_pss_mb"] / n)
             sim[n] = {
                 "ok": all(r["ok"] for r in runs),
                 "seconds": statistics.median(
@@ -972,11 +1006,17 @@ def main(argv: list[str] | None = None) -> int:
             # agent connects once and makes one request). The targets of issue #18.
             # Three runs up to 1,024 agents (the median is reported), one above; each
             # after a probe of the machine's state (:func:`machine_probe`).
+            refused = too_big(n, mb_per_agent, _mem_available_mb())
+            if refused:
+                report(f"formation_e2e_sim/N={n}", None, SIM_TARGETS_S.get(n), 1.0, False, refused)
+                continue
             runs = []
             for _ in range(3 if n <= 1024 else 1):
                 probe_us = machine_probe(work)
                 cpu_ms = cpu_probe()
                 runs.append((simulate_formation(work, n, store=True), probe_us, cpu_ms))
+                if runs[-1][0].get("sim_pss_mb") and n >= 1024:
+                    mb_per_agent = max(mb_per_agent or 0.0, runs[-1][0]["sim_pss_mb"] / n)
             runs.sort(key=lambda r: r[0]["seconds"] if r[0]["seconds"] is not None else 1e9)
             e2e = runs[len(runs) // 2][0]
             budget = SIM_TARGETS_S.get(n)
