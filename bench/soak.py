@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_elastic import events
 from slurm_elastic.rendezvous.backend import SEGMENT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,17 +81,28 @@ CAPS = {"rdzv_state_files": 2 * SEGMENT, "rdzv_hb_files": 3}
 #: The sample's phase: B present (world 2) or gone (world 1); counts differ by design
 #: between the two (B's connections), so a quarter is compared with the same phase only.
 WORLD = "world"
+#: ... and whether A's node is rank 0, the host of the round's store (a TCPStore server:
+#: its thread, listener and connections, 11 descriptors here). Rank 0 is the node with
+#: the lowest pid on one host, and pids wrap (at 32,768 here): in a 646-change run A
+#: hosted the store in the first 19 and the last 42 rounds with B and not in the 250
+#: between, so its descriptors went 34-38 -> 26-27 -> 37-38 with nothing leaking.
+HOSTS_STORE = "a_hosts_store"
 
 
 def _phase_medians(
     case: str, first: list[dict[str, float]], last: list[dict[str, float]]
 ) -> tuple[float, float]:
     """(baseline, ours) of ``case``: the first and last quarter's medians in the phase
-    (world size) where it grew most; both quarters' medians if no phase is in both."""
+    (world size, and whether A hosts the store) where it grew most; both quarters'
+    medians if no phase is in both."""
+
+    def phase(s: dict[str, float]) -> tuple[float, float | None]:
+        return s[WORLD], s.get(HOSTS_STORE)
+
     pairs = []
-    for world in {s[WORLD] for s in first} & {s[WORLD] for s in last}:
-        base = statistics.median(s[case] for s in first if s[WORLD] == world)
-        ours = statistics.median(s[case] for s in last if s[WORLD] == world)
+    for key in {phase(s) for s in first} & {phase(s) for s in last}:
+        base = statistics.median(s[case] for s in first if phase(s) == key)
+        ours = statistics.median(s[case] for s in last if phase(s) == key)
         pairs.append((ours - base, base, ours))
     if not pairs:
         return statistics.median(s[case] for s in first), statistics.median(s[case] for s in last)
@@ -182,29 +192,24 @@ class Soak:
         log = open(self.tmp / f"agent-{name}.log", "ab")  # noqa: SIM115 - the child owns it
         return subprocess.Popen(argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT)
 
-    def _events(self, since: float, kind: str) -> list[dict[str, Any]]:
-        return [
-            e.to_record()
-            for e in events.read_events(self.events_dir)
-            if e.kind == kind and e.time >= since
-        ]
-
-    def _wait_training(self, agent: int, world: int, since: float, timeout: float) -> int:
-        """Wait until a worker of ``agent`` trains in a world of ``world``; its pid."""
+    def _wait_training(
+        self, agent: int, world: int, since: float, timeout: float
+    ) -> tuple[int, int | None]:
+        """Wait until a worker of ``agent`` trains in a world of ``world``: its pid and
+        rank, from its step records in the ledger (both paths write them; a tail of the
+        file, so a wait costs the same at the 1,000th change as at the first: reading
+        the whole event log each time made the changes slower as it grew)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             kids = set(_children(agent))
-            for rec in self._events(since, "train.start"):
-                if rec["world_size"] == world and rec["pid"] in kids:
-                    return int(rec["pid"])
-            # in place (no new train.start): the ledger shows A's worker at that world
-            for rec in self._ledger_tail():
+            for rec in reversed(self._ledger_tail()):
                 if (
                     rec.get("world") == world
                     and rec.get("time", 0) >= since
                     and rec.get("pid") in kids
                 ):
-                    return int(rec["pid"])
+                    rank = rec.get("rank")
+                    return int(rec["pid"]), rank if isinstance(rank, int) else None
             time.sleep(0.1)
         raise TimeoutError(f"agent {agent}'s worker did not train at world {world} in {timeout} s")
 
@@ -263,7 +268,7 @@ class Soak:
         a = self._agent("a")
         b: subprocess.Popen[bytes] | None = None
         try:
-            self.worker_pids.append(self._wait_training(a.pid, 1, 0, 300))
+            self.worker_pids.append(self._wait_training(a.pid, 1, 0, 300)[0])
             for i in range(self.changes):
                 t0 = time.time()
                 if b is None:
@@ -272,10 +277,11 @@ class Soak:
                     b.send_signal(signal.SIGTERM)
                     b.wait(timeout=120)
                     b, world = None, 1
-                worker = self._wait_training(a.pid, world, t0, 300)
+                worker, rank = self._wait_training(a.pid, world, t0, 300)
                 self.worker_pids.append(worker)
                 time.sleep(0.5)  # let the new worker settle into its loop
-                self.samples.append({**self._sample(a.pid), WORLD: world})
+                hosts = None if rank is None else float(rank == 0)  # one worker per node
+                self.samples.append({**self._sample(a.pid), WORLD: world, HOSTS_STORE: hosts})
                 if progress:
                     print(
                         f"change {i + 1}/{self.changes}: world {world} {self.samples[-1]}",
@@ -302,7 +308,7 @@ class Soak:
         quarter = max(2 if len(warm) >= 4 else 1, len(warm) // 4)
         rows: list[dict[str, Any]] = []
         first, last = warm[:quarter], warm[-quarter:]
-        for case in (c for c in self.samples[0] if c != WORLD):
+        for case in (c for c in self.samples[0] if c not in (WORLD, HOSTS_STORE)):
             base, ours = _phase_medians(case, first, last)
             ratio = ours / base if base else (1.0 if ours == base else float("inf"))
             if case.endswith("_mb"):
