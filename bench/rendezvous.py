@@ -616,6 +616,8 @@ def too_big(n: int, mb_per_agent: float | None, available_mb: float | None) -> s
     that needs more memory than the machine has does not fail, it thrashes (16,384
     agents on this 23 GB VM: 16 minutes at a load average of 12,000 until it was
     killed), so it is refused with 1.5x the smaller runs' memory per agent as margin.
+    A first filter only: the kernel's part grows faster (:func:`_wait_for` stops a run
+    that takes the machine's memory anyway).
     """
     if mb_per_agent is None or available_mb is None:
         return None
@@ -787,6 +789,30 @@ def _own_network() -> Iterator[str]:
         os.close(home)
 
 
+#: A simulation stops when the machine's available memory falls below this (MiB).
+SIM_MEMORY_FLOOR_MB = 2048
+
+
+def _wait_for(conn: Connection, timeout: float) -> str | None:
+    """Wait for a message on ``conn``; why it did not come (None when it did).
+
+    Also watches the machine's available memory: a simulation larger than the memory
+    does not fail, it thrashes. The per-agent estimate (:func:`too_big`) misses what
+    the kernel holds for the agents' threads and sockets: 16,384 agents took the
+    available memory from 22 GiB to 1.4 GiB on this VM (stopped by a watchdog), where
+    4,096 and 8,192 used 0.38 MiB per agent of proportional set size.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        available = _mem_available_mb()
+        if available is not None and available < SIM_MEMORY_FLOOR_MB:
+            return f"stopped: available memory fell to {available / 1024:.1f} GiB"
+        if conn.poll(0.5):
+            return None
+        if time.monotonic() > deadline:
+            return f"nothing within {timeout:.0f} s"
+
+
 def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, Any]:
     """N simulated agents form one round (min = max = N) on one shared directory, end to end.
 
@@ -828,10 +854,12 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
             procs.append(proc)
             conns.append(parent)
     gc.unfreeze()  # the children keep theirs frozen; this process collects again
+    completed = False
     try:
         for conn in conns:
-            if not conn.poll(600):
-                return {"ok": False, "seconds": None, "ops": None, "error": "no process ready"}
+            why = _wait_for(conn, 600)
+            if why:
+                return {"ok": False, "seconds": None, "ops": None, "error": f"not ready: {why}"}
             msg = conn.recv()
             if msg != "ready":
                 return {"ok": False, "seconds": None, "ops": None, "error": msg.get("error")}
@@ -840,16 +868,20 @@ def simulate_formation(work: Path, n: int, *, store: bool = True) -> dict[str, A
         go.set()
         results = []
         for conn in conns:
-            if not conn.poll(900):
-                return {"ok": False, "seconds": None, "ops": None, "error": "no result"}
+            why = _wait_for(conn, 900)
+            if why:
+                return {"ok": False, "seconds": None, "ops": None, "error": f"no result: {why}"}
             results.append(conn.recv())
         for conn in conns:
             conn.send("exit")
+        completed = True
     finally:
         for proc in procs:
-            proc.join(10)
+            proc.join(10 if completed else 0)
             if proc.is_alive():
                 proc.kill()
+        for proc in procs:
+            proc.join(10)
     ranks = [r for res in results for r in res["ranks"] if isinstance(r, int)]
     failed = sum(res["failed"] for res in results)
     if failed:
@@ -1035,6 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
                 net=e2e.get("net"), ops_per_agent=e2e["ops"],
                 ops_by_kind_per_agent=e2e.get("ops_by_kind"),
                 thread_cpu_s=e2e.get("thread_cpu_s"), sim_pss_mb=e2e.get("sim_pss_mb"),
+                error=e2e.get("error"),
             )  # fmt: skip
         if 8 in sim and 256 in sim:
             o, b = sim[256]["ops"], sim[8]["ops"]

@@ -49,3 +49,17 @@ def test_this_process_memory_is_measured(bench: ModuleType) -> None:
     if pss is None or available is None:
         pytest.skip("this kernel has no smaps_rollup or MemAvailable")
     assert 1 < pss < available + pss  # a Python with torch imported: tens of MiB at least
+
+
+def test_a_simulation_that_takes_the_memory_is_stopped(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real simulation (8 agents in a forked process); the floor is set above what
+    # this machine has, as if the agents had taken it.
+    available = bench._mem_available_mb()
+    if available is None:
+        pytest.skip("this kernel has no MemAvailable")
+    monkeypatch.setattr(bench, "SIM_MEMORY_FLOOR_MB", available * 4)
+    out = bench.simulate_formation(tmp_path, 8, store=False)
+    assert out["ok"] is False
+    assert "stopped: available memory fell to" in out["error"]
