@@ -84,8 +84,8 @@ WORLD = "world"
 #: ... and whether A's node is rank 0, the host of the round's store (a TCPStore server:
 #: its thread, listener and connections, 11 descriptors here). Rank 0 is the node with
 #: the lowest pid on one host, and pids wrap (at 32,768 here): in a 646-change run A
-#: hosted the store in the first 19 and the last 42 rounds with B and not in the 250
-#: between, so its descriptors went 34-38 -> 26-27 -> 37-38 with nothing leaking.
+#: hosted the store in its first 19 rounds with B, in 4 of the next 262 and in the last
+#: 42, so its descriptors went 34-38 -> 26-27 -> 37-38 with nothing leaking.
 HOSTS_STORE = "a_hosts_store"
 
 
