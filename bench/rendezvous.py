@@ -681,7 +681,7 @@ def machine_probe(work: Path, n: int = 1024) -> float:
     On this VM it is bimodal: 20-150 us in some periods and 300-2,400 us in others (the
     same code, minutes apart). The slow mode is ext4's inode allocator skipping inodes
     deleted in the last minutes (``recently_deleted``, found with ``perf``; one thread
-    alone paid 286 us per creation under ``/tmp`` while ``/var/tmp`` on the same disk
+    alone paid 286-428 us per creation under ``/tmp`` while ``/var/tmp`` on the same disk
     took 9 us): it follows the deletions made near the directory, by anything on the
     machine. The simulated formations make thousands of creations, so their times follow
     it: every record carries the probe taken just before it.
