@@ -1,9 +1,10 @@
-"""The rendezvous benchmark refuses a simulation that would not fit in memory.
+"""The rendezvous benchmark stops a simulation that takes the machine's memory.
 
 ``bench/rendezvous.py`` simulates thousands of agents in light processes; a size that
 needs more memory than the machine has does not fail, it thrashes the machine (16,384
-agents on a 23 GB VM, 2026-12-06). The bench measures what each simulation used
-(``sim_pss_mb``) and refuses a larger one that would not fit.
+agents on a 23 GB VM, 2026-12-06). The bench records what each simulation used
+(``sim_pss_mb``) and stops one once the machine's available memory falls below
+``SIM_MEMORY_FLOOR_MB``. Linux only, as the bench: both figures come from ``/proc``.
 """
 
 from __future__ import annotations
@@ -26,28 +27,10 @@ def bench() -> ModuleType:
     return module
 
 
-def test_a_size_that_fits_runs(bench: ModuleType) -> None:
-    assert bench.too_big(4096, 0.5, 20_000) is None  # 3 GiB with the margin
-
-
-def test_a_size_that_does_not_fit_is_refused_with_the_numbers(bench: ModuleType) -> None:
-    why = bench.too_big(16_384, 1.2, 20_000)
-    assert why is not None
-    assert why.startswith("not run:")
-    assert "28.8 GiB needed" in why and "1.20 MiB per agent" in why
-    assert "19.5 GiB available" in why
-
-
-def test_without_a_measurement_nothing_is_refused(bench: ModuleType) -> None:
-    assert bench.too_big(16_384, None, 20_000) is None
-    assert bench.too_big(16_384, 1.2, None) is None
-
-
-def test_this_process_memory_is_measured(bench: ModuleType) -> None:
+def test_this_process_memory_and_the_machines_are_read(bench: ModuleType) -> None:
     pss = bench._pss_mb()
     available = bench._mem_available_mb()
-    if pss is None or available is None:
-        pytest.skip("this kernel has no smaps_rollup or MemAvailable")
+    assert pss is not None and available is not None  # /proc has both since Linux 4.14
     assert 1 < pss < available + pss  # a Python with torch imported: tens of MiB at least
 
 
@@ -57,9 +40,14 @@ def test_a_simulation_that_takes_the_memory_is_stopped(
     # The real simulation (8 agents in a forked process); the floor is set above what
     # this machine has, as if the agents had taken it.
     available = bench._mem_available_mb()
-    if available is None:
-        pytest.skip("this kernel has no MemAvailable")
+    assert available is not None
     monkeypatch.setattr(bench, "SIM_MEMORY_FLOOR_MB", available * 4)
     out = bench.simulate_formation(tmp_path, 8, store=False)
     assert out["ok"] is False
     assert "stopped: available memory fell to" in out["error"]
+
+
+def test_a_simulation_within_the_memory_forms(bench: ModuleType, tmp_path: Path) -> None:
+    out = bench.simulate_formation(tmp_path, 8, store=False)
+    assert out["ok"] is True, out.get("error")
+    assert out["sim_pss_mb"] > 0
