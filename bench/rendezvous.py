@@ -557,11 +557,11 @@ def _sim_process(
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
+    before = _task_cpu()  # read before the start: not on the formation's clock
     conn.send("ready")
     go.wait()
     fs.FS_OPS.reset()
     cpu0 = time.process_time()
-    before = _task_cpu()
     start.set()
     for t in threads:
         t.join(900)
