@@ -25,6 +25,11 @@ from tests.helpers import wait_for
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
 DATASET, GLOBAL_BATCH = 200, 16
+# The last call of a pair started together: round 0 waits this long for the second node.
+# With the default 1 s, a node whose start-up (torch's import) lags by over a second on
+# 2 loaded cores joins in place after the first has trained alone: a membership change
+# the test did not make (a CI run saw it as an extra graceful re-formation).
+TOGETHER_LAST_CALL_S = 60.0
 
 
 class LiveRun:
@@ -42,6 +47,7 @@ class LiveRun:
         agent_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         script: Path = TRAIN,
+        last_call_s: float = 1.0,
     ) -> None:
         self.tmp = tmp
         self.node = node
@@ -52,7 +58,8 @@ class LiveRun:
             "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
             "--monitor-interval", "0.1", "--state-dir", str(tmp / "state"),
             "--max-restarts", "0",
-            "--rdzv-conf", "heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout=1",
+            "--rdzv-conf",
+            f"heartbeat_interval=0.5,heartbeat_miss_limit=3,last_call_timeout={last_call_s:g}",
             *agent_args,
             str(script),
             "--steps", str(steps), "--dataset-size", str(DATASET),

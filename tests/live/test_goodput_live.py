@@ -18,7 +18,13 @@ import pytest
 from slurm_elastic.agent import ExitCode
 from slurm_elastic.cli.goodput import account
 from slurm_elastic.events import LiveReformed, read_events
-from tests.live.conftest import LiveRun, ledger, redone_steps, wait_world_of_4
+from tests.live.conftest import (
+    TOGETHER_LAST_CALL_S,
+    LiveRun,
+    ledger,
+    redone_steps,
+    wait_world_of_4,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -38,8 +44,9 @@ def test_goodput_of_a_hard_loss_in_place_agrees_with_the_ledger(
     tmp_path: Path, nodes: list[LiveRun]
 ) -> None:
     steps = 200
-    a = LiveRun(tmp_path, "gp1", "1:2", "a", "--commit-every", "5", steps=steps)
-    b = LiveRun(tmp_path, "gp1", "1:2", "b", "--commit-every", "5", steps=steps)
+    together = {"steps": steps, "last_call_s": TOGETHER_LAST_CALL_S}  # round 0 holds both
+    a = LiveRun(tmp_path, "gp1", "1:2", "a", "--commit-every", "5", **together)
+    b = LiveRun(tmp_path, "gp1", "1:2", "b", "--commit-every", "5", **together)
     nodes += [a, b]
     wait_world_of_4(tmp_path, min_steps=30)
     b.kill_node()

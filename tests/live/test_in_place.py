@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from slurm_elastic.envvars import TEST_PAUSE_AT_ENV, TEST_PAUSE_DIR_ENV
 from slurm_elastic.events import read_events
 from tests.helpers import wait_for
 from tests.live.conftest import (
+    TOGETHER_LAST_CALL_S,
     LiveRun,
     assert_close_to_reference,
     assert_each_sample_once,
@@ -88,8 +90,8 @@ def test_join_in_place_keeps_workers_and_loses_no_step(
 
 def test_graceful_leave_in_place_keeps_survivors(tmp_path: Path, nodes: list[LiveRun]) -> None:
     steps = 300
-    a = LiveRun(tmp_path, "leave1", "1:2", "a", steps=steps)
-    b = LiveRun(tmp_path, "leave1", "1:2", "b", steps=steps)
+    a = LiveRun(tmp_path, "leave1", "1:2", "a", steps=steps, last_call_s=TOGETHER_LAST_CALL_S)
+    b = LiveRun(tmp_path, "leave1", "1:2", "b", steps=steps, last_call_s=TOGETHER_LAST_CALL_S)
     nodes += [a, b]
     wait_world_of_4(tmp_path, min_steps=20)
     b_pids = b.worker_pids()
@@ -117,12 +119,13 @@ def test_hard_loss_rolls_back_and_reforms_in_place(
     redone."""
     steps = 300
     extra = ("--commit-every", str(commit_every))
-    a = LiveRun(tmp_path, "hard1", "1:2", "a", *extra, steps=steps)
-    b = LiveRun(tmp_path, "hard1", "1:2", "b", *extra, steps=steps)
+    together = {"steps": steps, "last_call_s": TOGETHER_LAST_CALL_S}
+    a = LiveRun(tmp_path, "hard1", "1:2", "a", *extra, **together)
+    b = LiveRun(tmp_path, "hard1", "1:2", "b", *extra, **together)
     nodes += [a, b]
     wait_world_of_4(tmp_path, min_steps=20)
     a_pids = a.worker_pids()
-    killed_at = steps_done(tmp_path)
+    killed_at, kill_time = steps_done(tmp_path), time.time()
     b.kill_node()
     assert a.wait(150) == ExitCode.FINISHED, a.log()
 
@@ -132,8 +135,10 @@ def test_hard_loss_rolls_back_and_reforms_in_place(
     assert redone_steps(records) <= 2  # at most the failed step again
     assert_each_sample_once(records, steps)
     assert_close_to_reference(tmp_path, steps)
-    reformed = [e for e in events(tmp_path, "hard1") if e["kind"] == "live.reformed"]
-    assert {e["cause"] for e in reformed} == {"failure"}
+    # the loss is met by re-forming after the failed collective, and by nothing else
+    changes = [e for e in events(tmp_path, "hard1") if e["kind"] == "live.reformed"]
+    assert [e for e in changes if e["time"] < kill_time] == []  # round 0 held both nodes
+    assert {e["cause"] for e in changes} == {"failure"}
 
 
 def test_spare_is_promoted_in_place_when_a_member_leaves(
@@ -143,8 +148,9 @@ def test_spare_is_promoted_in_place_when_a_member_leaves(
     # while the survivor keeps training; it must not finish first), then full speed
     steps, pace = 400, 0.1
     paced = ("--pace-until-file", str(tmp_path / "release"))
-    a = LiveRun(tmp_path, "spare1", "1:2", "a", *paced, steps=steps, step_time=pace)
-    b = LiveRun(tmp_path, "spare1", "1:2", "b", *paced, steps=steps, step_time=pace)
+    together = {"steps": steps, "step_time": pace, "last_call_s": TOGETHER_LAST_CALL_S}
+    a = LiveRun(tmp_path, "spare1", "1:2", "a", *paced, **together)
+    b = LiveRun(tmp_path, "spare1", "1:2", "b", *paced, **together)
     nodes += [a, b]
     wait_world_of_4(tmp_path)
     spare = LiveRun(tmp_path, "spare1", "1:2", "c", *paced, steps=steps, step_time=pace)
@@ -183,8 +189,9 @@ def test_failed_reform_falls_back_to_the_restart_path(tmp_path: Path, nodes: lis
     steps = 300
     release = tmp_path / "release"  # paced until the restarted workers train
     args = ("--reform-timeout", "0.5", "--save-every", "10", "--pace-until-file", str(release))
-    a = LiveRun(tmp_path, "fb1", "1:2", "a", *args, steps=steps, agent_args=("--max-restarts", "1"))
-    b = LiveRun(tmp_path, "fb1", "1:2", "b", *args, steps=steps, agent_args=("--max-restarts", "1"))
+    together = {"steps": steps, "last_call_s": TOGETHER_LAST_CALL_S}
+    a = LiveRun(tmp_path, "fb1", "1:2", "a", *args, agent_args=("--max-restarts", "1"), **together)
+    b = LiveRun(tmp_path, "fb1", "1:2", "b", *args, agent_args=("--max-restarts", "1"), **together)
     nodes += [a, b]
     wait_world_of_4(tmp_path, min_steps=25)
     a_pids = a.worker_pids()
@@ -262,8 +269,9 @@ def test_workers_of_a_sigkilled_agent_leave_instead_of_training_on_as_orphans(
     # switched. They must leave at the survivors' switch (no rollback).
     steps, pace = 500, 0.05
     paced = ("--pace-until-file", str(tmp_path / "release"))  # until the orphans are gone
-    a = LiveRun(tmp_path, "orphan1", "1:2", "a", *paced, steps=steps, step_time=pace)
-    b = LiveRun(tmp_path, "orphan1", "1:2", "b", *paced, steps=steps, step_time=pace)
+    together = {"steps": steps, "step_time": pace, "last_call_s": TOGETHER_LAST_CALL_S}
+    a = LiveRun(tmp_path, "orphan1", "1:2", "a", *paced, **together)
+    b = LiveRun(tmp_path, "orphan1", "1:2", "b", *paced, **together)
     nodes += [a, b]
     wait_world_of_4(tmp_path)
     a_pids, b_pids = a.worker_pids(), b.worker_pids()

@@ -18,6 +18,7 @@ from slurm_elastic.agent import ExitCode
 from slurm_elastic.events import read_events
 from tests.helpers import wait_for
 from tests.live.conftest import (
+    TOGETHER_LAST_CALL_S,
     LiveRun,
     assert_close_to_reference,
     assert_each_sample_once,
@@ -41,8 +42,8 @@ def test_frozen_node_costs_survivors_at_most_the_eviction_window_plus_5s(
 ) -> None:
     steps = 400
     run_id = f"frozen-{frozen}"
-    a = LiveRun(tmp_path, run_id, "1:2", "a", steps=steps)
-    b = LiveRun(tmp_path, run_id, "1:2", "b", steps=steps)
+    a = LiveRun(tmp_path, run_id, "1:2", "a", steps=steps, last_call_s=TOGETHER_LAST_CALL_S)
+    b = LiveRun(tmp_path, run_id, "1:2", "b", steps=steps, last_call_s=TOGETHER_LAST_CALL_S)
     nodes += [a, b]
     wait_world_of_4(tmp_path, min_steps=20)
     # rank 0 (the node hosting the round's store) or the other one
