@@ -266,7 +266,12 @@ class WatchSchedule:
     window assumes) and every 4th probes past ``head``. Every tick observes, except that
     after a calm observation (:attr:`HeartbeatMonitor.calm`) the next tick without a
     beat is skipped: a calm watcher wakes once per interval. :meth:`hurry` takes the
-    skipped tick back (a link reported something to judge).
+    skipped tick back (a link reported something to judge). The first tick is the first
+    beat's, one interval after the start: before its first observation a watcher has
+    nothing suspect to follow up, so it starts as a calm one goes on. (It observed half an
+    interval earlier before: a verdict on a node already dead at the start now comes half
+    an interval later, and a starting agent makes one observation fewer while its round
+    forms, when every agent reads the shared filesystem most.)
 
     Args:
         interval_s: the beat interval.
@@ -276,11 +281,11 @@ class WatchSchedule:
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._half = interval_s / 2
         self._clock = clock
-        self._ticks = 0
+        self._ticks = 1
         self._skipped = False
-        # The caller has just beaten: the first tick (an observation) is half an
-        # interval later, the first beat one interval later.
-        self._due = clock() + self._half
+        # The caller has just beaten: the first tick (a beat and an observation) is one
+        # interval later.
+        self._due = clock() + interval_s
 
     def wait_s(self) -> float:
         """Seconds until the next tick is due (0: now)."""

@@ -248,15 +248,36 @@ def test_a_calm_watcher_allows_its_own_longer_gap_before_calling_it_a_pause() ->
     assert first_dead == pytest.approx(5.3)  # judged from t=0, not from t=1.8
 
 
+def test_the_first_tick_is_the_first_beat_one_interval_after_the_start() -> None:
+    # Nothing is suspect before the first observation: the watcher starts as a calm one
+    # goes on (it observed half an interval after the start before).
+    clock = FakeClock()
+    schedule = WatchSchedule(1.0, clock=clock)
+    assert schedule.wait_s() == 1.0
+    clock.advance(0.99)
+    assert schedule.tick() is None
+    clock.advance(0.01)
+    assert schedule.tick() == Tick(beat=True, probe=False)
+    schedule.observed(calm=False)  # something looks stalled: observe every half interval
+    assert schedule.wait_s() == 0.5
+    clock.advance(0.5)
+    assert schedule.tick() == Tick(beat=False, probe=False)
+    clock.advance(0.5)
+    assert schedule.tick() == Tick(beat=True, probe=True)
+
+
 def test_hurry_takes_back_the_skipped_tick() -> None:
     clock = FakeClock()
     schedule = WatchSchedule(1.0, clock=clock)
     clock.advance(1.0)
+    assert schedule.tick() == Tick(beat=True, probe=False)
+    schedule.observed(calm=False)
+    clock.advance(0.5)
     assert schedule.tick() == Tick(beat=False, probe=False)
     schedule.observed(calm=True)  # an odd tick: the next (a beat) is not skipped
     assert schedule.wait_s() == 0.5
     clock.advance(0.5)
-    assert schedule.tick() == Tick(beat=True, probe=False)
+    assert schedule.tick() == Tick(beat=True, probe=True)
     schedule.observed(calm=True)
     assert schedule.wait_s() == 1.0  # the beatless tick is skipped
     schedule.hurry()
@@ -264,4 +285,4 @@ def test_hurry_takes_back_the_skipped_tick() -> None:
     clock.advance(0.5)
     assert schedule.tick() == Tick(beat=False, probe=False)
     clock.advance(0.5)
-    assert schedule.tick() == Tick(beat=True, probe=True)
+    assert schedule.tick() == Tick(beat=True, probe=False)
