@@ -46,7 +46,13 @@ cluster_failed() {
 
 if [[ ${SLURM_ELASTIC_CLUSTER:-1} != 0 ]]; then
     if "$ROOT/scripts/slurm-cluster" status >/dev/null 2>&1; then
-        say "using the running local Slurm cluster ($CLUSTER_DIR)"
+        running=$(sed -n 's/^mode=//p' "$CLUSTER_DIR/state" 2>/dev/null || true)
+        say "using the running local Slurm cluster ($CLUSTER_DIR, mode=${running:-unknown})"
+        if [[ $running != netns && ${SLURM_ELASTIC_CLUSTER_MODE:-} != loopback ]] &&
+            command -v ip >/dev/null && ip netns list >/dev/null 2>&1; then
+            say "warning: it runs in ${running:-an unknown} mode: the netns tests will be skipped" \
+                "('scripts/slurm-cluster down' first runs them in a netns cluster)"
+        fi
     elif [[ $(id -u) -eq 0 ]]; then
         mode=${SLURM_ELASTIC_CLUSTER_MODE:-}
         if [[ -z $mode ]]; then

@@ -13,7 +13,8 @@ Markers say the cost: ``slurm``, ``netns``, ``slow``.
 ``slurm_cluster`` (session): the real local Slurm cluster of scripts/slurm-cluster.
 It uses an already-running cluster (``SLURM_CONF`` in the environment, or the env file
 in ``$SLURM_ELASTIC_CLUSTER_DIR``, default /var/tmp/slurm-elastic-cluster), else starts
-one with ``scripts/slurm-cluster up`` (root only) and leaves it up for the next run
+one with ``scripts/slurm-cluster up`` (root only; in the mode scripts/test.sh would
+choose) and leaves it up for the next run
 (scripts/test.sh stops it). When no cluster can be had, tests using it are skipped with
 the reason, except under ``CI=true``, where that is an error. While the session runs,
 ``SLURM_CONF`` is set in ``os.environ`` (sbatch and scontrol read it from there).
@@ -139,13 +140,28 @@ def _connect(extra: dict[str, str]) -> SlurmCluster | None:
     return cluster
 
 
+def _cluster_mode() -> str:
+    """The mode scripts/test.sh starts a cluster in: ``SLURM_ELASTIC_CLUSTER_MODE``, else
+    netns where ``ip netns`` works, else loopback. A cluster this session starts is left
+    up for the next run, which then uses it whatever its mode: a loopback one would skip
+    the netns tests of every later run."""
+    mode = os.environ.get("SLURM_ELASTIC_CLUSTER_MODE", "")
+    if mode:
+        return mode
+    try:
+        works = subprocess.run(["ip", "netns", "list"], capture_output=True, check=False)
+    except OSError:
+        return "loopback"
+    return "netns" if works.returncode == 0 else "loopback"
+
+
 def _start_cluster() -> str:
     """Run scripts/slurm-cluster up; return '' on success, else why not."""
     if os.geteuid() != 0:
         return "not root, so scripts/slurm-cluster up cannot start a local cluster"
     try:
         proc = subprocess.run(
-            [str(CLUSTER_SCRIPT), "up"],
+            [str(CLUSTER_SCRIPT), "up", "--mode", _cluster_mode()],
             capture_output=True,
             text=True,
             timeout=600,
