@@ -151,7 +151,8 @@ def _resolver_note(argv: list[str] | None) -> str:
         f"private /etc/hosts with v4-mapped lines (this machine's reverse DNS: {slow:.1f} s)"
     )
     print(f"# {os.environ[_HOSTS_ENV]}: re-running in a private mount namespace", flush=True)
-    script = 'mount --bind "$0" /etc/hosts && exec "$@"'
+    # The bind mount holds the file: its directory goes at once (one was left per run).
+    script = 'mount --bind "$0" /etc/hosts && rm -r "${0%/hosts}" && exec "$@"'
     os.execvp("unshare", ["unshare", "-m", "sh", "-c", script, str(hosts), sys.executable,
                           *sys.argv])  # fmt: skip
 
