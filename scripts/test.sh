@@ -44,19 +44,20 @@ cluster_failed() {
     say "warning: no local Slurm cluster; the Slurm tests will be skipped"
 }
 
+netns_works() { command -v ip >/dev/null && ip netns list >/dev/null 2>&1; }
+
 if [[ ${SLURM_ELASTIC_CLUSTER:-1} != 0 ]]; then
     if "$ROOT/scripts/slurm-cluster" status >/dev/null 2>&1; then
         running=$(sed -n 's/^mode=//p' "$CLUSTER_DIR/state" 2>/dev/null || true)
         say "using the running local Slurm cluster ($CLUSTER_DIR, mode=${running:-unknown})"
-        if [[ $running != netns && ${SLURM_ELASTIC_CLUSTER_MODE:-} != loopback ]] &&
-            command -v ip >/dev/null && ip netns list >/dev/null 2>&1; then
+        if [[ $running != netns && ${SLURM_ELASTIC_CLUSTER_MODE:-} != loopback ]] && netns_works; then
             say "warning: it runs in ${running:-an unknown} mode: the netns tests will be skipped" \
                 "('scripts/slurm-cluster down' first runs them in a netns cluster)"
         fi
     elif [[ $(id -u) -eq 0 ]]; then
         mode=${SLURM_ELASTIC_CLUSTER_MODE:-}
         if [[ -z $mode ]]; then
-            if command -v ip >/dev/null && ip netns list >/dev/null 2>&1; then mode=netns; else mode=loopback; fi
+            if netns_works; then mode=netns; else mode=loopback; fi
         fi
         say "starting the local Slurm cluster (mode=$mode)"
         if "$ROOT/scripts/slurm-cluster" up --mode "$mode"; then
