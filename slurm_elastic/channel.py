@@ -18,6 +18,11 @@ registration       ``worker.<local_rank>`` file (worker ->      JSON ``{"pid", "
                    agent: it can re-form in place, or starts)   :mod:`slurm_elastic.live.roster`
 assignment         ``assign.<local_rank>`` file (agent ->       JSON :class:`~slurm_elastic.
                    worker: a new round's rank and store)        live.roster.Assignment`
+restart path       ``restart.<local_rank>`` file (a warm        JSON ``{"pid"}``;
+                   worker -> agent: its script made a process   :mod:`slurm_elastic.live.
+                   group without ``ElasticSession``)            roster`
+closed             ``closed.<local_rank>`` file (worker ->      JSON ``{"pid"}``;
+                   agent: its session finished and closed)      :mod:`slurm_elastic.live.roster`
 start round        ``$SLURM_ELASTIC_ROUND`` (agent -> workers)  an integer
 in place off       ``$SLURM_ELASTIC_IN_PLACE=0`` (the user)     ``0``/``1``
 run key            ``$SLURM_ELASTIC_KEY_FILE`` (agent ->        a 0600 file;
@@ -80,6 +85,7 @@ PROGRESS = "progress"
 WORKER_PREFIX = "worker."
 ASSIGN_PREFIX = "assign."
 CLOSED_PREFIX = "closed."
+RESTART_PREFIX = "restart."
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,10 @@ class NodeChannel:
         """Worker ``local_rank``'s mark that it finished and closed its session."""
         return self.directory / f"{CLOSED_PREFIX}{local_rank}"
 
+    def restart_path(self, local_rank: int) -> Path:
+        """Worker ``local_rank``'s mark that its script takes the restart path."""
+        return self.directory / f"{RESTART_PREFIX}{local_rank}"
+
     def registrations(self) -> list[Path]:
         """The registration files present (any name ``worker.*``: the reader checks it)."""
         try:
@@ -133,15 +143,16 @@ class NodeChannel:
 
     def clear(self) -> None:
         """Remove every message (before workers are (re)started): notice, progress,
-        registrations, assignments, closed marks and stale temporary files. Something that cannot be
-        unlinked at a message's name (a planted directory) is left with a warning."""
+        registrations, assignments, closed and restart-path marks and stale temporary files.
+        Something that cannot be unlinked at a message's name (a planted directory) is left
+        with a warning."""
         try:
             entries = list(self.directory.iterdir())
         except FileNotFoundError:
             return
         for path in entries:
             name = path.name
-            prefixes = (WORKER_PREFIX, ASSIGN_PREFIX, CLOSED_PREFIX, ".")
+            prefixes = (WORKER_PREFIX, ASSIGN_PREFIX, CLOSED_PREFIX, RESTART_PREFIX, ".")
             if name in (NOTICE, PROGRESS) or name.startswith(prefixes):
                 remove_node_file(path)
 

@@ -165,6 +165,7 @@ class SlurmElasticAgent(LocalElasticAgent):
         self._loss_round = -1  # the newest round formed after a loss (Assignment.loss_round)
         self._workers_started_at: float | None = None  # monotonic, the last worker start
         self._deferring = False  # a membership change waits for them (logged once)
+        self._own_group_script = False  # its workers make their own group (restart path)
 
     # -- rendezvous ---------------------------------------------------------------------
 
@@ -413,8 +414,9 @@ class SlurmElasticAgent(LocalElasticAgent):
         for a new round that this agent, waiting for them to exit, never joins (both
         waits ran out after 60 s and the members redid a step: issue 20's seat test).
         Once they are live, the change re-forms in place; the newcomers wait until then.
-        A script without ``ElasticSession`` never registers: past the window (measured
-        from its workers' start) it gets the notice and the restart as before.
+        A script without ``ElasticSession`` never registers: once a warm worker of it made
+        its process group (:meth:`_script_makes_its_own_group`), or past the window
+        (measured from its workers' start), it gets the notice and the restart as before.
         """
         handler = worker_group.spec.rdzv_handler
         started = self._workers_started_at
@@ -426,16 +428,35 @@ class SlurmElasticAgent(LocalElasticAgent):
             # a member left or died (they may be blocked on it), unless the round only
             # moved on because a member re-joined in place for the newcomers
             or (handler.round_lost() and not handler.round_moved_on_in_place())
+            or self._script_makes_its_own_group(worker_group)
         ):
             return False
         if not self._deferring:
             self._deferring = True
             log.info(
                 "nodes wait to join while the local workers are still starting: the change "
-                "waits for them to go live (in place), at most %.0f s after their start",
+                "waits for them to go live (in place), at most %.0f s after their start (a "
+                "script without ElasticSession: until it makes its process group, or that "
+                "long when its workers started cold; %s=0 takes the restart path at once)",
                 self._leave_timeout_s,
+                roster.IN_PLACE_ENV,
             )
         return True
+
+    def _script_makes_its_own_group(self, worker_group: WorkerGroup) -> bool:
+        """Whether the workers' script makes its own process group (no ``ElasticSession``
+        in place): one of them marked it (warm-started workers do:
+        :func:`~slurm_elastic.live.roster.watch_for_restart_path`). Remembered while this
+        agent runs: every start runs the same script (restarts start cold, unmarked)."""
+        if not self._own_group_script:
+            pids = {w.local_rank: w.id for w in worker_group.workers}
+            if any(roster.restart_path_pid(self._channel, r) == p for r, p in pids.items()):
+                self._own_group_script = True
+                log.info(
+                    "the local workers' script makes its own process group (no ElasticSession "
+                    "in place): nodes that come restart it at once, after the notice"
+                )
+        return self._own_group_script
 
     def _reform_in_place(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()

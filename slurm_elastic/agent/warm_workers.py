@@ -341,6 +341,26 @@ def _become(start: WarmStart, fds: list[int]) -> None:
     sys.argv = list(start.argv)
 
 
+def _watch_for_restart_path() -> None:
+    """Tell the agent if this worker's script makes its process group itself (no
+    ``ElasticSession`` in place): :func:`slurm_elastic.live.roster.watch_for_restart_path`.
+    Without it the agent cannot tell such a script from ``ElasticSession`` workers still
+    starting, and a newcomer waits ``shutdown_timeout_s`` after their start."""
+    from slurm_elastic.channel import NodeChannel
+    from slurm_elastic.live import roster
+
+    channel = NodeChannel.from_environ()
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if channel is None or not local_rank.isdigit() or not roster.in_place_enabled():
+        return
+
+    def group_exists() -> bool:
+        dist = sys.modules.get("torch.distributed")
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+    roster.watch_for_restart_path(channel, int(local_rank), os.getpid(), group_exists)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Import torch, wait for the start message, then run the worker's script."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -363,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     start = WarmStart.decode(data)
     _become(start, fds)
+    _watch_for_restart_path()
     import runpy
 
     if start.module:

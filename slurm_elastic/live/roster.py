@@ -1,6 +1,6 @@
 """The in-place messages of the node channel: registrations and assignments (torch-free).
 
-Three messages of the node channel (:mod:`slurm_elastic.channel`, which owns the
+Four messages of the node channel (:mod:`slurm_elastic.channel`, which owns the
 directory, lists every message and clears them), each a small JSON file written
 atomically (temporary file + ``rename``):
 
@@ -18,6 +18,11 @@ atomically (temporary file + ``rename``):
 * ``closed.<local_rank>``: written by a worker whose session finished and closed
   (:func:`mark_closed`): ``{"pid": ...}``. Only its interpreter's exit remains, which
   torch's gloo teardown aborts now and then; the agent counts such a worker as finished.
+* ``restart.<local_rank>``: written for a warm-started worker whose script made its
+  process group without registering first (:func:`watch_for_restart_path`): a script
+  without ``ElasticSession`` (plain ``init_process_group``), which never registers. The
+  agent then stops waiting for it as for a worker still starting (it restarts it for a
+  newcomer after the notice, as the restart path does) for as long as it runs.
 
 The round a worker was started in reaches it through ``$SLURM_ELASTIC_ROUND``; an
 assignment for the same or an older round is stale and ignored. ``$SLURM_ELASTIC_IN_PLACE``
@@ -38,8 +43,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,10 +60,13 @@ __all__ = [
     "Assignment",
     "AssignmentWatch",
     "in_place_enabled",
+    "mark_restart_path",
     "read_assignment",
     "register_worker",
     "registered_workers",
+    "restart_path_pid",
     "unregister_worker",
+    "watch_for_restart_path",
     "write_assignment",
 ]
 
@@ -294,6 +303,70 @@ def closed_pid(channel: NodeChannel, local_rank: int) -> int | None:
     except (KeyError, ValueError) as exc:
         warn_ignored(log, path, f"malformed closed mark: {exc}")
         return None
+
+
+def mark_restart_path(channel: NodeChannel, local_rank: int, pid: int) -> None:
+    """Worker ``local_rank`` (process ``pid``) made its process group without registering:
+    its script takes the restart path (:func:`watch_for_restart_path`)."""
+    _write_json(channel.restart_path(local_rank), {"pid": pid})
+
+
+def restart_path_pid(channel: NodeChannel, local_rank: int) -> int | None:
+    """The pid in worker ``local_rank``'s restart-path mark; ``None`` if absent or
+    malformed (with a warning)."""
+    path = channel.restart_path(local_rank)
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    try:
+        return None if data is None else _int_field(data, "pid", 1, _MAX_PID)
+    except (KeyError, ValueError) as exc:
+        warn_ignored(log, path, f"malformed restart-path mark: {exc}")
+        return None
+
+
+def watch_for_restart_path(
+    channel: NodeChannel,
+    local_rank: int,
+    pid: int,
+    group_exists: Callable[[], bool],
+    *,
+    poll_s: float = 0.25,
+) -> threading.Thread:
+    """Start a daemon thread that marks this worker as taking the restart path once its
+    script has a process group and no registration (:func:`mark_restart_path`).
+
+    ``ElasticSession`` in place registers (as starting) *before* it makes its group, so a
+    group with no registration of this pid came from the script itself: plain
+    ``init_process_group`` (or ``ElasticSession`` with the in-place path off). The
+    thread ends at the first of: a registration seen, the mark written, the channel gone.
+
+    Args:
+        group_exists: whether the default process group exists now (the caller passes
+            ``torch.distributed.is_initialized``; this module is torch-free).
+    """
+
+    def registered() -> bool:
+        return channel.registration(local_rank).exists() and any(
+            registered_workers(channel, live=live).get(local_rank) == pid for live in (False, True)
+        )
+
+    def run() -> None:
+        try:
+            while channel.directory.is_dir():
+                if group_exists():  # first the group, then the registration: see above
+                    if not registered():
+                        mark_restart_path(channel, local_rank, pid)
+                    return
+                if registered():
+                    return
+                time.sleep(poll_s)
+        except OSError as exc:  # the channel went (the agent left): nobody to tell
+            log.debug("restart-path watch of local rank %d ended: %s", local_rank, exc)
+
+    thread = threading.Thread(target=run, name="slurm-elastic-restart-path", daemon=True)
+    thread.start()
+    return thread
 
 
 def write_assignment(channel: NodeChannel, assignment: Assignment) -> None:

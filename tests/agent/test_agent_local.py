@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from slurm_elastic.agent import ExitCode
+from slurm_elastic.channel import NodeChannel
 from slurm_elastic.events import read_events
+from slurm_elastic.live import roster
 from tests.agent.conftest import AgentRun, agent_log, records
 from tests.helpers import wait_for
 from tests.rendezvous.harness import NodeProc
@@ -169,15 +171,71 @@ def test_survivor_keeps_training_when_a_peer_is_preempted_without_spending_resta
     assert a.wait(60) == ExitCode.PREEMPTED, agent_log(a)
 
 
-@pytest.mark.slow
+WAITED = "nodes wait to join while the local workers are still starting"
+
+
+def marked_own_group(out: Path, node: str) -> bool:
+    """Whether ``node``'s workers marked that their script makes its own process group
+    (the restart-path marks in its agent's node channel, with their pids)."""
+    mine = [r for r in starts(out) if r["node"] == node]
+    return bool(mine) and all(
+        roster.restart_path_pid(NodeChannel(Path(r["node_dir"])), r["local_rank"]) == r["pid"]
+        for r in mine
+    )
+
+
 def test_late_joiner_grows_the_world(tmp_path: Path, agents: list[AgentRun]) -> None:
+    # The worker script makes its group with plain init_process_group (no ElasticSession).
+    # Its warm-started workers mark that (roster.watch_for_restart_path), so the agent
+    # restarts them for b at once. Before, it could not tell them from ElasticSession
+    # workers still starting and made b wait shutdown_timeout_s (60 s) after their start.
     a = AgentRun(tmp_path, tmp_path / "rdzv", "grow1", "1:2", steps=10_000, node="a")
     agents.append(a)
     wait_for(lambda: step_reached(tmp_path, 3), 60, "node a to train alone")
     assert {r["world"] for r in starts(tmp_path)} == {2}
+    wait_for(lambda: marked_own_group(tmp_path, "a"), 30, "a's warm workers to mark their group")
     b = AgentRun(tmp_path, tmp_path / "rdzv", "grow1", "1:2", steps=10_000, node="b")
     agents.append(b)
     _both_train_in_a_world_of_4_then_terminate(tmp_path, a, b)
+    assert WAITED not in agent_log(a), agent_log(a)
+    assert "the local workers' script makes its own process group" in agent_log(a)
+
+
+@pytest.mark.slow
+def test_a_script_without_session_is_restarted_for_each_newcomer_at_once(
+    tmp_path: Path, agents: list[AgentRun]
+) -> None:
+    # After the first restart a's workers start cold (unmarked): the agent remembers what
+    # its first, warm workers showed. b comes, leaves, and c comes within the 60 s after
+    # a's cold restart: neither newcomer waits for that window.
+    def node(name: str) -> AgentRun:
+        run = AgentRun(tmp_path, tmp_path / "rdzv", "grow2", "1:2", steps=10_000, node=name)
+        agents.append(run)
+        return run
+
+    def worlds_of_4(name: str) -> int:
+        return sum(1 for r in starts(tmp_path) if r["world"] == 4 and r["node"] == name)
+
+    a = node("a")
+    wait_for(lambda: marked_own_group(tmp_path, "a"), 60, "a's warm workers to mark their group")
+    b = node("b")
+    wait_for(lambda: worlds_of_4("b") == 2, 90, "a and b in a world of 4")
+    os.kill(b.proc.pid, signal.SIGTERM)
+    assert b.wait(60) == ExitCode.TERMINATED, agent_log(b)
+    alone = len([r for r in starts(tmp_path) if r["node"] == "a"])
+    wait_for(  # two workers' starts alone at first, two more after b left
+        lambda: len([r for r in starts(tmp_path) if r["node"] == "a" and r["world"] == 2]) == 4,
+        60,
+        "a to train alone again (restarted cold)",
+    )
+    c = node("c")
+    wait_for(lambda: worlds_of_4("c") == 2, 90, "a and c in a world of 4")
+    assert len([r for r in starts(tmp_path) if r["node"] == "a"]) > alone
+    assert WAITED not in agent_log(a), agent_log(a)
+    for run in (a, c):
+        os.kill(run.proc.pid, signal.SIGTERM)
+    assert a.wait(60) == ExitCode.TERMINATED, agent_log(a)
+    assert c.wait(60) == ExitCode.TERMINATED, agent_log(c)
 
 
 def test_torchs_c10d_backend_also_works_under_the_agent(

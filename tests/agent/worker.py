@@ -52,7 +52,13 @@ def main() -> int:
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     step_file = os.path.join(out, "step")
     start = int(Path(step_file).read_text()) if os.path.exists(step_file) else 0
-    record(out, event="start", start_step=start)
+    record(
+        out,
+        event="start",
+        start_step=start,
+        node_dir=os.environ.get(notice.NODE_DIR_ENV),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+    )
     for step in range(start, steps):
         t = torch.ones(1)
         dist.all_reduce(t)

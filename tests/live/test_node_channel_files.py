@@ -249,6 +249,29 @@ def test_directory_named_like_a_registration_is_ignored(
     assert warnings_about(caplog, tmp_path / "worker.x"), caplog.text
 
 
+@pytest.mark.parametrize("literal", ["Infinity", "NaN", "-5", "0", "true", "1.5", '"111"'])
+def test_bad_pid_in_a_restart_path_mark_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, literal: str
+) -> None:
+    roster.mark_restart_path(NodeChannel(tmp_path), 1, 222)
+    path = tmp_path / "restart.0"
+    path.write_text(f'{{"pid": {literal}}}')
+    assert roster.restart_path_pid(NodeChannel(tmp_path), 0) is None
+    assert roster.restart_path_pid(NodeChannel(tmp_path), 1) == 222
+    assert warnings_about(caplog, path), caplog.text
+
+
+def test_fifo_or_directory_named_like_a_restart_path_mark_is_no_mark(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fifo = tmp_path / "restart.0"
+    os.mkfifo(fifo)
+    (tmp_path / "restart.1").mkdir()
+    assert without_blocking(lambda: roster.restart_path_pid(NodeChannel(tmp_path), 0), fifo) is None
+    assert roster.restart_path_pid(NodeChannel(tmp_path), 1) is None
+    assert warnings_about(caplog, fifo), caplog.text
+
+
 def test_a_bad_file_met_in_a_poll_loop_is_warned_about_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

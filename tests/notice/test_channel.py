@@ -28,6 +28,8 @@ def write_every_message(node: NodeChannel, monkeypatch: pytest.MonkeyPatch) -> N
         assert notice.report_progress(7, force=True)  # worker, path from the environment
         roster.register_worker(node, 0, os.getpid(), live=False)  # worker
         roster.write_assignment(node, ASSIGNMENT)  # agent
+        roster.mark_restart_path(node, 0, os.getpid())  # warm worker
+        roster.mark_closed(node, 0, os.getpid())  # worker
     finally:
         notice.reload_environment()
 
@@ -38,7 +40,7 @@ def test_every_message_lives_in_the_one_directory_and_is_listed(
     node = NodeChannel(tmp_path / "node")
     write_every_message(node, monkeypatch)
     names = sorted(os.listdir(node.directory))
-    assert names == ["assign.0", "notice", "progress", "worker.0"]
+    assert names == ["assign.0", "closed.0", "notice", "progress", "restart.0", "worker.0"]
     assert notice.notice_raised(node)
     assert notice.last_progress(node.progress) is not None
     assert roster.registered_workers(node, live=False) == {0: os.getpid()}
@@ -50,6 +52,8 @@ def test_every_message_lives_in_the_one_directory_and_is_listed(
         "``progress``",
         "``worker.<local_rank>``",
         "``assign.<local_rank>``",
+        "``restart.<local_rank>``",
+        "``closed.<local_rank>``",
     ):
         assert kind in listed, kind
 
@@ -65,6 +69,7 @@ def test_clear_removes_every_message_and_nothing_else(
     assert sorted(os.listdir(node.directory)) == ["keep"]
     assert not notice.notice_raised(node)
     assert roster.registered_workers(node, live=False) == {}
+    assert roster.restart_path_pid(node, 0) is None
     node.clear()  # idempotent
     NodeChannel(tmp_path / "absent").clear()  # no directory: nothing to do
 

@@ -1,0 +1,79 @@
+"""Telling a script without ``ElasticSession`` from one still starting (the restart-path
+mark of the node channel: ``roster.watch_for_restart_path``).
+
+Real files in a real channel directory and the real watch thread; the process group is a
+callable seam here (a flag the test sets, standing in for
+``torch.distributed.is_initialized``): the agent tests run the real one
+(``tests/agent/test_agent_local.py``, a plain ``init_process_group`` script).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from slurm_elastic.channel import NodeChannel
+from slurm_elastic.live import roster
+from tests.helpers import wait_for
+
+
+def channel_in(tmp_path: Path) -> NodeChannel:
+    node = NodeChannel(tmp_path / "node")
+    node.directory.mkdir(mode=0o700)
+    return node
+
+
+def test_a_group_made_without_a_registration_is_marked(tmp_path: Path) -> None:
+    node = channel_in(tmp_path)
+    group = threading.Event()
+    thread = roster.watch_for_restart_path(node, 1, os.getpid(), group.is_set, poll_s=0.01)
+    assert roster.restart_path_pid(node, 1) is None
+    group.set()  # the script's init_process_group
+    thread.join(10)
+    assert not thread.is_alive()
+    assert roster.restart_path_pid(node, 1) == os.getpid()
+    assert roster.restart_path_pid(node, 0) is None  # the mark names its local rank
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_registration_before_the_group_is_no_mark(tmp_path: Path, live: bool) -> None:
+    # ElasticSession in place registers (as starting) before it makes its group.
+    node = channel_in(tmp_path)
+    group = threading.Event()
+    thread = roster.watch_for_restart_path(node, 0, os.getpid(), group.is_set, poll_s=0.01)
+    roster.register_worker(node, 0, os.getpid(), live=live)
+    thread.join(10)
+    assert not thread.is_alive()  # it saw the registration and ended
+    group.set()
+    assert roster.restart_path_pid(node, 0) is None
+    assert not node.restart_path(0).exists()
+
+
+def test_another_process_registration_does_not_count(tmp_path: Path) -> None:
+    # A stale registration (a previous worker's pid) is not this worker's.
+    node = channel_in(tmp_path)
+    roster.register_worker(node, 0, os.getpid() + 1, live=False)
+    group = threading.Event()
+    thread = roster.watch_for_restart_path(node, 0, os.getpid(), group.is_set, poll_s=0.01)
+    group.set()
+    thread.join(10)
+    assert roster.restart_path_pid(node, 0) == os.getpid()
+
+
+def test_the_watch_ends_when_the_channel_goes(tmp_path: Path) -> None:
+    node = channel_in(tmp_path)
+    thread = roster.watch_for_restart_path(node, 0, os.getpid(), lambda: False, poll_s=0.01)
+    shutil.rmtree(node.directory)
+    wait_for(lambda: not thread.is_alive(), 10, "the watch to end")
+
+
+def test_the_mark_is_cleared_with_the_other_messages(tmp_path: Path) -> None:
+    node = channel_in(tmp_path)
+    roster.mark_restart_path(node, 0, os.getpid())
+    assert roster.restart_path_pid(node, 0) == os.getpid()
+    node.clear()
+    assert roster.restart_path_pid(node, 0) is None
