@@ -418,17 +418,20 @@ class SlurmElasticAgent(LocalElasticAgent):
         its process group (:meth:`_script_makes_its_own_group`), or past the window
         (measured from its workers' start), it gets the notice and the restart as before.
         """
+        if not roster.in_place_enabled():
+            return False
+        # read before the restart clears the marks, at every change: later starts are cold
+        own_group = self._script_makes_its_own_group(worker_group)
         handler = worker_group.spec.rdzv_handler
         started = self._workers_started_at
         if (
-            not roster.in_place_enabled()
+            own_group
             or started is None
             or time.monotonic() - started > self._leave_timeout_s
             or not isinstance(handler, RoundWatching)
             # a member left or died (they may be blocked on it), unless the round only
             # moved on because a member re-joined in place for the newcomers
             or (handler.round_lost() and not handler.round_moved_on_in_place())
-            or self._script_makes_its_own_group(worker_group)
         ):
             return False
         if not self._deferring:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -77,3 +79,48 @@ def test_the_mark_is_cleared_with_the_other_messages(tmp_path: Path) -> None:
     assert roster.restart_path_pid(node, 0) == os.getpid()
     node.clear()
     assert roster.restart_path_pid(node, 0) is None
+
+
+def agent_defers(node: NodeChannel, pid: int, started_ago_s: float) -> tuple[bool, bool]:
+    """The agent's own decision (``SlurmElasticAgent._defer_for_starting_workers``) on a
+    stand-in holding only what it reads; returns (defers, remembers the script's kind)."""
+    from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
+
+    stand_in = SimpleNamespace(
+        _channel=node,
+        _own_group_script=False,
+        _workers_started_at=time.monotonic() - started_ago_s,
+        _leave_timeout_s=60.0,
+        _deferring=False,
+    )
+    stand_in._script_makes_its_own_group = lambda wg: SlurmElasticAgent._script_makes_its_own_group(
+        stand_in,  # type: ignore[arg-type]
+        wg,
+    )
+    group = SimpleNamespace(
+        workers=[SimpleNamespace(local_rank=0, id=pid)],
+        spec=SimpleNamespace(rdzv_handler=object()),
+    )
+    defers = SlurmElasticAgent._defer_for_starting_workers(stand_in, group)  # type: ignore[arg-type]
+    return defers, stand_in._own_group_script
+
+
+@pytest.mark.parametrize("started_ago_s", [1.0, 1000.0], ids=["in-the-window", "past-it"])
+def test_the_agent_learns_the_mark_of_a_current_worker_in_or_past_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started_ago_s: float
+) -> None:
+    # Past the window the agent restarts anyway, but it must still learn the script's kind
+    # there: the restart clears the marks and its cold workers write none.
+    monkeypatch.delenv(roster.IN_PLACE_ENV, raising=False)
+    node = channel_in(tmp_path)
+    roster.mark_restart_path(node, 0, 4242)
+    assert agent_defers(node, 4242, started_ago_s) == (False, True)
+
+
+def test_the_agent_ignores_the_mark_of_a_previous_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(roster.IN_PLACE_ENV, raising=False)
+    node = channel_in(tmp_path)
+    roster.mark_restart_path(node, 0, 4241)  # not the current worker's pid
+    assert agent_defers(node, 4242, 1000.0) == (False, False)
