@@ -252,9 +252,9 @@ def unregister_worker(channel: NodeChannel, local_rank: int) -> None:
         channel.registration(local_rank).unlink()
 
 
-def registered_workers(channel: NodeChannel, *, live: bool = True) -> dict[int, int]:
+def registered_workers(channel: NodeChannel, *, live: bool | None = True) -> dict[int, int]:
     """Return ``{local_rank: pid}`` of the workers registered as live (or, with
-    ``live=False``, as starting).
+    ``live=False``, as starting; with ``live=None``, either).
 
     A registration that is not ``{"pid": <int in [1, 2**31)>, "live": <bool>}`` in a
     regular file named ``worker.<digits>`` is ignored with a warning.
@@ -280,7 +280,7 @@ def registered_workers(channel: NodeChannel, *, live: bool = True) -> dict[int, 
         except (KeyError, ValueError) as exc:
             warn_ignored(log, path, f"malformed registration: {exc}")
             continue
-        if data["live"] is live:
+        if live is None or data["live"] is live:
             found[int(suffix)] = pid
     return found
 
@@ -291,18 +291,23 @@ def mark_closed(channel: NodeChannel, local_rank: int, pid: int) -> None:
     _write_json(channel.closed(local_rank), {"pid": pid})
 
 
-def closed_pid(channel: NodeChannel, local_rank: int) -> int | None:
-    """The pid in worker ``local_rank``'s closed mark; ``None`` if absent or malformed
-    (with a warning)."""
-    path = channel.closed(local_rank)
+def _pid_mark(path: Path, what: str) -> int | None:
+    """The pid in the mark at ``path`` (``{"pid": ...}``); ``None`` if absent or malformed
+    (with a warning naming ``what``)."""
     if not path.exists():
         return None
     data = _read_json(path)
     try:
         return None if data is None else _int_field(data, "pid", 1, _MAX_PID)
     except (KeyError, ValueError) as exc:
-        warn_ignored(log, path, f"malformed closed mark: {exc}")
+        warn_ignored(log, path, f"malformed {what}: {exc}")
         return None
+
+
+def closed_pid(channel: NodeChannel, local_rank: int) -> int | None:
+    """The pid in worker ``local_rank``'s closed mark; ``None`` if absent or malformed
+    (with a warning)."""
+    return _pid_mark(channel.closed(local_rank), "closed mark")
 
 
 def mark_restart_path(channel: NodeChannel, local_rank: int, pid: int) -> None:
@@ -314,15 +319,7 @@ def mark_restart_path(channel: NodeChannel, local_rank: int, pid: int) -> None:
 def restart_path_pid(channel: NodeChannel, local_rank: int) -> int | None:
     """The pid in worker ``local_rank``'s restart-path mark; ``None`` if absent or
     malformed (with a warning)."""
-    path = channel.restart_path(local_rank)
-    if not path.exists():
-        return None
-    data = _read_json(path)
-    try:
-        return None if data is None else _int_field(data, "pid", 1, _MAX_PID)
-    except (KeyError, ValueError) as exc:
-        warn_ignored(log, path, f"malformed restart-path mark: {exc}")
-        return None
+    return _pid_mark(channel.restart_path(local_rank), "restart-path mark")
 
 
 def watch_for_restart_path(
@@ -347,8 +344,9 @@ def watch_for_restart_path(
     """
 
     def registered() -> bool:
-        return channel.registration(local_rank).exists() and any(
-            registered_workers(channel, live=live).get(local_rank) == pid for live in (False, True)
+        return (
+            channel.registration(local_rank).exists()
+            and registered_workers(channel, live=None).get(local_rank) == pid
         )
 
     def run() -> None:

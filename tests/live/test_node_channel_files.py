@@ -249,15 +249,23 @@ def test_directory_named_like_a_registration_is_ignored(
     assert warnings_about(caplog, tmp_path / "worker.x"), caplog.text
 
 
+PID_MARKS = {  # prefix -> (writer, reader)
+    "restart.": (roster.mark_restart_path, roster.restart_path_pid),
+    "closed.": (roster.mark_closed, roster.closed_pid),
+}
+
+
+@pytest.mark.parametrize("prefix", sorted(PID_MARKS))
 @pytest.mark.parametrize("literal", ["Infinity", "NaN", "-5", "0", "true", "1.5", '"111"'])
-def test_bad_pid_in_a_restart_path_mark_is_ignored_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, literal: str
+def test_bad_pid_in_a_pid_mark_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, literal: str, prefix: str
 ) -> None:
-    roster.mark_restart_path(NodeChannel(tmp_path), 1, 222)
-    path = tmp_path / "restart.0"
+    write, read = PID_MARKS[prefix]
+    write(NodeChannel(tmp_path), 1, 222)
+    path = tmp_path / f"{prefix}0"
     path.write_text(f'{{"pid": {literal}}}')
-    assert roster.restart_path_pid(NodeChannel(tmp_path), 0) is None
-    assert roster.restart_path_pid(NodeChannel(tmp_path), 1) == 222
+    assert read(NodeChannel(tmp_path), 0) is None
+    assert read(NodeChannel(tmp_path), 1) == 222
     assert warnings_about(caplog, path), caplog.text
 
 

@@ -42,14 +42,20 @@ def test_a_group_made_without_a_registration_is_marked(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("live", [False, True])
-def test_a_registration_before_the_group_is_no_mark(tmp_path: Path, live: bool) -> None:
-    # ElasticSession in place registers (as starting) before it makes its group.
+@pytest.mark.parametrize("group_first", [False, True], ids=["then-the-group", "group-seen-first"])
+def test_a_worker_registered_with_a_group_is_not_marked(
+    tmp_path: Path, live: bool, group_first: bool
+) -> None:
+    # ElasticSession in place registers (as starting, later live) before it makes its
+    # group: whenever the watch looks, a group comes with this pid's registration.
     node = channel_in(tmp_path)
     group = threading.Event()
-    thread = roster.watch_for_restart_path(node, 0, os.getpid(), group.is_set, poll_s=0.01)
     roster.register_worker(node, 0, os.getpid(), live=live)
+    if group_first:
+        group.set()
+    thread = roster.watch_for_restart_path(node, 0, os.getpid(), group.is_set, poll_s=0.01)
     thread.join(10)
-    assert not thread.is_alive()  # it saw the registration and ended
+    assert not thread.is_alive()
     group.set()
     assert roster.restart_path_pid(node, 0) is None
     assert not node.restart_path(0).exists()
