@@ -220,8 +220,15 @@ def _add_ops_commands(sub: Any) -> None:
     job_help = "Slurm job id, array job id, run id, or the run's state directory"
 
     def status(ns: argparse.Namespace) -> int:
-        from slurm_elastic.cli.status import run_status
+        from slurm_elastic.cli.status import list_status, run_status
 
+        if ns.job is None:
+            if ns.watch or ns.goodput:
+                raise SlurmElasticError(
+                    f"status {'--watch' if ns.watch else '--goodput'} needs a run: "
+                    "slurm-elastic status RUN (slurm-elastic status lists them)"
+                )
+            return list_status(last=ns.last, as_json=ns.json)
         return run_status(
             ns.job, as_json=ns.json, watch=ns.watch, interval_s=ns.interval, goodput=ns.goodput
         )
@@ -237,7 +244,10 @@ def _add_ops_commands(sub: Any) -> None:
         return run_timeline(ns.job, ns.output)
 
     p = sub.add_parser("status", help="where a run stands: nodes, world, checkpoint, speed")
-    p.add_argument("job", help=job_help)
+    p.add_argument(
+        "job", nargs="?", default=None, help=f"{job_help}; without it: your runs, newest first"
+    )
+    p.add_argument("--last", type=int, default=10, help="without JOB: list this many runs")
     p.add_argument("--json", action="store_true", help="one JSON document (docs/operability.md)")
     p.add_argument("--watch", action="store_true", help="refresh until the run ends")
     p.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")

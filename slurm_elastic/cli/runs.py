@@ -27,7 +27,7 @@ from slurm_elastic.errors import RunNotFoundError, SlurmError
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.slurm.parse import parse_scontrol_show_job
 
-__all__ = ["RunLocation", "RunNotFoundError", "locate"]
+__all__ = ["RunLocation", "RunNotFoundError", "from_index", "locate"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,14 @@ def _from_slurm(job: str, client: SlurmClient) -> RunLocation | None:
         slurm_job=job,
         output_files=outputs,
     )
+
+
+def from_index(entry: events.RunIndexEntry) -> RunLocation | None:
+    """The run a run index entry names; ``None`` when its events directory is gone."""
+    events_dir = Path(entry.events_dir)
+    if not events_dir.is_dir():
+        return None
+    return _from_events_dir(events_dir, Path(entry.state_dir))
 
 
 def locate(job: str, client: SlurmClient | None = None) -> RunLocation:

@@ -1,5 +1,9 @@
 """``slurm-elastic status JOB [--watch] [--json]``: where a run stands, at a glance.
 
+Without JOB (:func:`list_status`): one line per run of the per-user run index, the most
+recently started first (``--last N`` of them, 10 by default): its state, start, elapsed
+time, world, step and state directory, so a run can be found without its job id.
+
 JOB is a Slurm job id, an array job id, a run id or the run's state directory (see
 :mod:`slurm_elastic.cli.runs`). The table shows the run's state, elapsed time, round and
 world size, training progress (a bar when the events carry a total), recent throughput,
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from slurm_elastic import events as ev
-from slurm_elastic.cli.runs import RunLocation, locate
+from slurm_elastic.cli.runs import RunLocation, from_index, locate
 from slurm_elastic.cli.summary import THROUGHPUT_WINDOW_S, RunSummary, SlurmTask, summarize_run
 from slurm_elastic.cli.untrusted import printable
 from slurm_elastic.errors import SlurmElasticError, SlurmError
@@ -36,6 +40,7 @@ __all__ = [
     "WaitProgress",
     "collect",
     "format_duration",
+    "list_status",
     "progress_line",
     "render_table",
     "run_status",
@@ -348,6 +353,74 @@ def run_status(
             time.sleep(interval_s)
     except KeyboardInterrupt:
         return 0
+
+
+def list_status(
+    *,
+    last: int = 10,
+    as_json: bool = False,
+    client: SlurmClient | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """``slurm-elastic status`` without JOB: the newest ``last`` runs of the run index.
+
+    Each run is read as ``status JOB`` reads it (its events, and Slurm's record of its
+    tasks while Slurm knows the job). Runs whose events directory is gone (a deleted
+    state directory) are counted, not listed. Returns the exit status (0).
+
+    Raises:
+        SlurmElasticError: ``last`` is below 1.
+    """
+    if last < 1:
+        raise SlurmElasticError(f"--last {last}: must be at least 1 (the number of runs to list)")
+    stream = sys.stdout if out is None else out
+    entries = ev.list_runs()
+    located = [(e, loc) for e in entries if (loc := from_index(e)) is not None]
+    gone = len(entries) - len(located)
+    docs = [_run_line(e, collect(loc, client)) for e, loc in located[:last]]
+    index = ev.run_index_dir()
+    if as_json:
+        doc = {"runs": docs, "older": len(located) - len(docs), "gone": gone, "index": str(index)}
+        stream.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    lines = []
+    if docs:
+        rows = [
+            [
+                d["run_id"],
+                d["state"],
+                "-" if d["started"] is None else _local_time(d["started"]),
+                format_duration(d["elapsed_s"]),
+                str(d["world_nodes"]),
+                "-" if d["step"] is None else str(d["step"]),
+                d["state_dir"],
+            ]
+            for d in docs
+        ]
+        lines += _table(["RUN", "STATE", "STARTED", "ELAPSED", "NODES", "STEP", "STATE DIR"], rows)
+        lines.append("")
+    else:
+        lines.append("no runs: their agents record a run when they start")
+    if len(located) > len(docs):
+        lines.append(f"{len(located) - len(docs)} older run(s) not shown (--last N)")
+    if gone:
+        lines.append(f"{gone} run(s) whose state directory is gone not shown")
+    lines.append(f"run index: {index}; one run: slurm-elastic status RUN (or its state directory)")
+    stream.write("".join(printable(line).rstrip() + "\n" for line in lines))
+    return 0
+
+
+def _local_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def _run_line(entry: ev.RunIndexEntry, summary: RunSummary) -> dict[str, Any]:
+    """One run of :func:`list_status`, as its JSON document."""
+    return {
+        "run_id": entry.run_id, "state": summary.state, "started": summary.started,
+        "elapsed_s": summary.elapsed_s, "world_nodes": summary.world_nodes,
+        "step": summary.step, "state_dir": entry.state_dir, "events_dir": entry.events_dir,
+    }  # fmt: skip
 
 
 class WaitProgress:

@@ -38,9 +38,9 @@ The directory stays bounded over a long job: each agent merges the files of its 
 processes that are gone into the node's archive, ``<host>.archive.jsonl``
 (:func:`compact`, before each start of its workers and at each in-place re-formation).
 
-The run index (:func:`record_run`, :func:`find_run`) maps a run id (the Slurm job id) to its
-state, events and checkpoint directories, so ``slurm-elastic status JOB`` finds a run after
-Slurm forgot the job.
+The run index (:func:`record_run`, :func:`find_run`, :func:`list_runs`) maps a run id (the
+Slurm job id) to its state, events and checkpoint directories, so ``slurm-elastic status
+JOB`` finds a run after Slurm forgot the job and ``slurm-elastic status`` lists the runs.
 
 The package, one module per concept: :mod:`~slurm_elastic.events.schema` (the record
 layout and :class:`Event`), :mod:`~slurm_elastic.events.kinds` (every kind,
@@ -48,7 +48,8 @@ layout and :class:`Event`), :mod:`~slurm_elastic.events.kinds` (every kind,
 event, type-checked), :mod:`~slurm_elastic.events.writer` (:func:`emit`),
 :mod:`~slurm_elastic.events.reader` (:func:`read_events`),
 :mod:`~slurm_elastic.events.compact` (:func:`compact`) and
-:mod:`~slurm_elastic.events.run_index` (:func:`record_run`, :func:`find_run`). Everything
+:mod:`~slurm_elastic.events.run_index` (:func:`record_run`, :func:`find_run`,
+:func:`list_runs`). Everything
 is importable from here (``from slurm_elastic import events; events.emit(...)``).
 """
 
@@ -91,7 +92,13 @@ from slurm_elastic.events.kinds import (
 )
 from slurm_elastic.events.reader import MAX_EVENTS_FILE_BYTES, MAX_RECORD_BYTES, read_events
 from slurm_elastic.events.records import event_from_record
-from slurm_elastic.events.run_index import RunIndexEntry, find_run, record_run, run_index_dir
+from slurm_elastic.events.run_index import (
+    RunIndexEntry,
+    find_run,
+    list_runs,
+    record_run,
+    run_index_dir,
+)
 from slurm_elastic.events.schema import SCHEMA_VERSION, Event, UnknownEvent
 from slurm_elastic.events.writer import emit
 
@@ -141,6 +148,7 @@ __all__ = [
     "emit",
     "event_from_record",
     "find_run",
+    "list_runs",
     "read_events",
     "record_run",
     "run_index_dir",

@@ -2,7 +2,8 @@
 
 Every agent records its run at start (:func:`record_run`): the run id (the Slurm job id)
 maps to its state, events, checkpoint and log directories, so ``slurm-elastic status
-JOB`` finds a run after Slurm forgot the job.
+JOB`` finds a run after Slurm forgot the job, and ``slurm-elastic status`` alone lists
+the runs (:func:`list_runs`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from slurm_elastic.errors import UnsafeDirectoryError
 from slurm_elastic.privatefs import ensure_private_dir, read_regular, replace_file
 
-__all__ = ["RunIndexEntry", "find_run", "record_run", "run_index_dir"]
+__all__ = ["RunIndexEntry", "find_run", "list_runs", "record_run", "run_index_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +102,29 @@ def find_run(run_id: str) -> RunIndexEntry | None:
     except (ValueError, TypeError) as exc:
         log.warning("ignoring unreadable run index entry %s: %s", path, exc)
         return None
+
+
+def list_runs() -> list[RunIndexEntry]:
+    """Every run of the per-user run index, the most recently started first.
+
+    An entry counts from the last start of one of its agents (each agent rewrites it).
+    Entries that :func:`find_run` refuses (a link, not a regular file, another user's,
+    unreadable) are left out with its warning, as is one whose name and run id differ.
+    """
+    directory = run_index_dir()
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("cannot list the run index %s: %s", directory, exc.strerror or exc)
+        return []
+    found = []
+    for name in names:
+        run_id = name.removesuffix(".json")
+        if run_id == name or name.startswith("."):  # not an entry (a temporary file)
+            continue
+        entry = find_run(run_id)
+        if entry is not None and entry.run_id == run_id:
+            found.append(entry)
+    return sorted(found, key=lambda e: (e.time, e.run_id), reverse=True)

@@ -66,6 +66,21 @@ def test_submit_wait_shows_progress_then_status_logs_timeline_find_the_run(
     assert sorted(n["state"] for n in doc["nodes"]) == ["finished", "finished"]
     assert doc["throughput"]["steps_per_s"] > 0
 
+    assert main(["status"]) == 0  # no job: the run index's runs (the agents recorded it)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == [
+        "RUN",
+        "STATE",
+        "STARTED",
+        "ELAPSED",
+        "NODES",
+        "STEP",
+        "STATE",
+        "DIR",
+    ]
+    row = table[2].split()
+    assert (row[0], row[1], row[5], row[6]) == (run_id, "COMPLETED", "2", "60"), table
+
     assert main(["logs", run_id, "--rank", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(re.match(r"^\[\S+ rank 0 #1\] step 60 loss", line) for line in lines), lines
