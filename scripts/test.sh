@@ -55,10 +55,7 @@ if [[ ${SLURM_ELASTIC_CLUSTER:-1} != 0 ]]; then
                 "('scripts/slurm-cluster down' first runs them in a netns cluster)"
         fi
     elif [[ $(id -u) -eq 0 ]]; then
-        mode=${SLURM_ELASTIC_CLUSTER_MODE:-}
-        if [[ -z $mode ]]; then
-            if netns_works; then mode=netns; else mode=loopback; fi
-        fi
+        mode=${SLURM_ELASTIC_CLUSTER_MODE:-auto} # auto: netns where it works (slurm-cluster)
         say "starting the local Slurm cluster (mode=$mode)"
         if "$ROOT/scripts/slurm-cluster" up --mode "$mode"; then
             started_cluster=1

@@ -142,17 +142,10 @@ def _connect(extra: dict[str, str]) -> SlurmCluster | None:
 
 def _cluster_mode() -> str:
     """The mode scripts/test.sh starts a cluster in: ``SLURM_ELASTIC_CLUSTER_MODE``, else
-    netns where ``ip netns`` works, else loopback. A cluster this session starts is left
-    up for the next run, which then uses it whatever its mode: a loopback one would skip
-    the netns tests of every later run."""
-    mode = os.environ.get("SLURM_ELASTIC_CLUSTER_MODE", "")
-    if mode:
-        return mode
-    try:
-        works = subprocess.run(["ip", "netns", "list"], capture_output=True, check=False)
-    except OSError:
-        return "loopback"
-    return "netns" if works.returncode == 0 else "loopback"
+    ``auto`` (scripts/slurm-cluster picks netns where ``ip netns`` works, else loopback).
+    A cluster this session starts is left up for the next run, which then uses it
+    whatever its mode: a loopback one would skip the netns tests of every later run."""
+    return os.environ.get("SLURM_ELASTIC_CLUSTER_MODE") or "auto"
 
 
 def _start_cluster() -> str:
