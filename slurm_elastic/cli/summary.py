@@ -493,6 +493,12 @@ def _state(out: RunSummary, alive: set[tuple[str, int]], evs: list[ev.Event]) ->
         return "PENDING"  # a requeued task will come back
     if "FINISHED" in codes:
         return "COMPLETED"
-    if codes and all(c in ("PREEMPTED", "TERMINATED") for c in codes):
+    # each node's last exit: a task requeued earlier and stopped later ended stopped
+    last = {
+        out.agents.get((e.host, e.pid), f"{e.host}:{e.pid}"): e.code
+        for e in evs
+        if isinstance(e, ev.AgentExit)
+    }
+    if last and all(c in ("PREEMPTED", "TERMINATED") for c in last.values()):
         return "CANCELLED"
     return "FAILED" if codes else "UNKNOWN"

@@ -204,3 +204,36 @@ def test_status_says_why_a_node_was_evicted() -> None:
     assert summarize_run("r", "/nowhere", evs, now=13.0).state == "RUNNING"
     evs.append(events.RendezvousEvicted(time=12.5, nodes=["h_3_0"], cause="link", **watcher))
     assert summarize_run("r", "/nowhere", evs, now=13.0).state == "COMPLETED"
+
+
+def test_a_run_whose_tasks_were_all_stopped_is_cancelled_after_an_earlier_requeue() -> None:
+    """Each task's *last* exit says how the run ended: a task preempted and requeued
+    earlier (its first agent exited ``PREEMPTED_REQUEUED``) and then stopped with the
+    others (``TERMINATED``) ended a cancelled run, not a failed one (seen using the
+    product: every bench run that cancelled its job after a preemption read FAILED)."""
+    from slurm_elastic.cli.summary import summarize_run
+
+    def agent(pid: int, job: str, t: float, code: str) -> list[events.Event]:
+        base = {"host": f"node{job[-1]}", "pid": pid, "run_id": "9"}
+        return [
+            events.AgentStart(time=t, job=job, **base),
+            events.AgentExit(time=t + 10, code=code, **base),
+        ]
+
+    first = [*agent(1, "9_0", 0.0, "PREEMPTED_REQUEUED"), *agent(2, "9_1", 0.0, "TERMINATED")]
+    first.insert(1, events.AgentRequeued(time=9.0, job="9_0", host="node0", pid=1, run_id="9"))
+    evs = sorted([*first, *agent(3, "9_0", 12.0, "TERMINATED")], key=lambda e: e.time)
+    summary = summarize_run("9", "/nowhere", evs, now=30.0)
+    assert {n.key: n.state for n in summary.nodes.values()} == {
+        "9_0": "terminated",
+        "9_1": "terminated",
+    }
+    assert summary.state == "CANCELLED"
+    # the requeued task not back yet: the run waits for it
+    assert summarize_run("9", "/nowhere", evs[:-2], now=30.0).state == "PENDING"
+    # a task whose last agent failed makes the run failed
+    failed = [
+        *evs[:-1],
+        events.AgentExit(time=22.0, code="FAILED", host="node0", pid=3, run_id="9"),
+    ]
+    assert summarize_run("9", "/nowhere", failed, now=30.0).state == "FAILED"
