@@ -63,7 +63,10 @@ def _is_slurm_id(run_id: str) -> bool:
     return run_id.isdigit()
 
 
-def _from_events_dir(path: Path, state_dir: Path | None = None) -> RunLocation:
+def _from_events_dir(
+    path: Path, state_dir: Path | None = None, entry: events.RunIndexEntry | None = None
+) -> RunLocation:
+    """``entry``: the run index entry already read for this run (else looked up)."""
     run_id = path.name
     local_folder = None
     if (
@@ -79,13 +82,16 @@ def _from_events_dir(path: Path, state_dir: Path | None = None) -> RunLocation:
         state_dir=state_dir,
         slurm_job=run_id if _is_slurm_id(run_id) else None,
         output_files=outputs,
-        log_dir=_indexed_log_dir(run_id, path),
+        log_dir=_indexed_log_dir(run_id, path, entry),
     )
 
 
-def _indexed_log_dir(run_id: str, events_dir: Path) -> Path | None:
+def _indexed_log_dir(
+    run_id: str, events_dir: Path, entry: events.RunIndexEntry | None = None
+) -> Path | None:
     """The log directory the (private) run index records for the run of ``events_dir``."""
-    entry = events.find_run(run_id) if _RUN_ID.match(run_id) else None
+    if entry is None and _RUN_ID.match(run_id):
+        entry = events.find_run(run_id)
     if entry is None or not entry.log_dir:
         return None
     if os.path.realpath(entry.events_dir) != os.path.realpath(events_dir):
@@ -141,7 +147,7 @@ def from_index(entry: events.RunIndexEntry) -> RunLocation | None:
     events_dir = Path(entry.events_dir)
     if not events_dir.is_dir():
         return None
-    return _from_events_dir(events_dir, Path(entry.state_dir))
+    return _from_events_dir(events_dir, Path(entry.state_dir), entry)
 
 
 def locate(job: str, client: SlurmClient | None = None) -> RunLocation:
@@ -169,7 +175,7 @@ def locate(job: str, client: SlurmClient | None = None) -> RunLocation:
         )
     entry = events.find_run(run_id)
     if entry is not None and Path(entry.events_dir).is_dir():
-        base = _from_events_dir(Path(entry.events_dir), Path(entry.state_dir))
+        base = _from_events_dir(Path(entry.events_dir), Path(entry.state_dir), entry)
         outputs = base.output_files
         if _is_slurm_id(run_id):
             found = _from_slurm(run_id, client or SlurmClient())

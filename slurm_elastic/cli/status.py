@@ -377,6 +377,7 @@ def list_status(
     entries = ev.list_runs()
     located = [(e, loc) for e in entries if (loc := from_index(e)) is not None]
     gone = len(entries) - len(located)
+    client = client or SlurmClient()  # one for all runs (it remembers a disabled sacct)
     docs = [_run_line(e, collect(loc, client)) for e, loc in located[:last]]
     index = ev.run_index_dir()
     if as_json:

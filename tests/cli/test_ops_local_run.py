@@ -66,20 +66,11 @@ def test_submit_wait_shows_progress_then_status_logs_timeline_find_the_run(
     assert sorted(n["state"] for n in doc["nodes"]) == ["finished", "finished"]
     assert doc["throughput"]["steps_per_s"] > 0
 
-    assert main(["status"]) == 0  # no job: the run index's runs (the agents recorded it)
-    table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == [
-        "RUN",
-        "STATE",
-        "STARTED",
-        "ELAPSED",
-        "NODES",
-        "STEP",
-        "STATE",
-        "DIR",
+    assert main(["status", "--json"]) == 0  # no job: the runs its agents recorded
+    listed = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["run_id"], r["state"], r["world_nodes"], r["step"]) for r in listed] == [
+        (run_id, "COMPLETED", 2, 60)
     ]
-    row = table[2].split()
-    assert (row[0], row[1], row[5], row[6]) == (run_id, "COMPLETED", "2", "60"), table
 
     assert main(["logs", run_id, "--rank", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
