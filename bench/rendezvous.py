@@ -795,6 +795,40 @@ def cpu_probe() -> float:
     return (time.process_time() - t) * 1e3
 
 
+def switch_probe(n: int = 2000) -> float:
+    """Wall microseconds per hand-off between two threads of this process (each wakes the
+    other through an event: a futex wake, a context switch and the interpreter lock).
+
+    The simulated agents are threads, 64 per process, and hand the lock and the cores
+    to each other all through a formation: what a hand-off costs is the VM's, not the
+    rendezvous'. On 2026-12-07 a new VM took 47-69 s for the 4,096-agent formation
+    that the VM of the day before formed in 3.6-5.8 s (the same code, and 95 s there for
+    the commit of the day before) while the CPU probe read as before (70-132 ms); `perf`
+    put a fifth of its cycles in futex wake-ups and the scheduler. Every record carries
+    this probe next to the CPU and file-creation probes.
+    """
+    import threading
+
+    ping, pong = threading.Event(), threading.Event()
+
+    def other() -> None:
+        for _ in range(n):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ping.set()
+        pong.wait()
+        pong.clear()
+    elapsed = time.perf_counter() - t0
+    t.join(10)
+    return elapsed / (2 * n) * 1e6
+
+
 _CLONE_NEWNET = 0x40000000
 
 
@@ -1108,9 +1142,11 @@ def main(argv: list[str] | None = None) -> int:
             # Three runs up to 1,024 agents (the median is reported), one above; each
             # after a probe of the machine's state (:func:`machine_probe`).
             runs = []
+            switch_us: list[float] = []
             for _ in range(3 if n <= 1024 else 1):
                 probe_us = machine_probe(work)
                 cpu_ms = cpu_probe()
+                switch_us.append(switch_probe())
                 runs.append((simulate_formation(work, n, store=True), probe_us, cpu_ms))
             runs.sort(key=lambda r: r[0]["seconds"] if r[0]["seconds"] is not None else 1e9)
             e2e = runs[len(runs) // 2][0]
@@ -1127,6 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs_s=[r["seconds"] for r, _, _ in runs],
                 probe_us_per_create=[round(p, 1) for _, p, _ in runs],
                 cpu_probe_ms=[round(c) for _, _, c in runs],
+                switch_probe_us=[round(u, 1) for u in switch_us],
                 net=e2e.get("net"), ops_per_agent=e2e["ops"],
                 ops_by_kind_per_agent=e2e.get("ops_by_kind"),
                 thread_cpu_s=e2e.get("thread_cpu_s"), sim_pss_mb=e2e.get("sim_pss_mb"),
