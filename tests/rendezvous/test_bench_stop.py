@@ -39,12 +39,21 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+#: A process as first seen: its pid and its start time (a pid reused later is another).
+Proc = tuple[int, str]
+
+
+def _identity(pid: int) -> Proc | None:
+    """``pid`` with its start time while it runs (None: gone, or a zombie)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
-    return state != "Z"
+        return None
+    return None if fields[0] == "Z" else (pid, fields[19])
+
+
+def _alive(proc: Proc) -> bool:
+    return _identity(proc[0]) == proc
 
 
 def _wait(what: str, condition, timeout: float) -> None:  # type: ignore[no-untyped-def]
@@ -69,7 +78,7 @@ class _Bench:
             text=True,
         )
         self.lines: list[str] = []
-        self.seen: set[int] = set()  # every child seen (killed at the end if a test fails)
+        self.seen: set[Proc] = set()  # every child seen (killed at the end if a test fails)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -84,11 +93,11 @@ class _Bench:
                 return Path(line.split()[3])
         return None
 
-    def simulation_processes(self, at_least: int, timeout: float) -> set[int]:
+    def simulation_processes(self, at_least: int, timeout: float) -> set[Proc]:
         """Wait until the simulation's processes run; return them."""
 
         def running() -> bool:
-            self.seen.update(_children(self.proc.pid))
+            self.seen.update(p for p in map(_identity, _children(self.proc.pid)) if p)
             return len([p for p in self.seen if _alive(p)]) >= at_least
 
         try:
@@ -112,7 +121,7 @@ def bench(tmp_path: Path):  # type: ignore[no-untyped-def]
         b.stop()
         for p in b.seen:  # alive only if the test failed: never leave them running
             if _alive(p):
-                os.kill(p, signal.SIGKILL)
+                os.kill(p[0], signal.SIGKILL)
         work = b.work_dir()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
