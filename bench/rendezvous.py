@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import multiprocessing as mp
@@ -246,6 +247,8 @@ def _node(conn: Connection, go: Any, params: RendezvousParameters) -> None:
 
 #: ``prctl`` option: the signal this process gets when the thread that forked it exits.
 _PR_SET_PDEATHSIG = 1
+#: This process's C library, loaded before any fork (a child need not load it).
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _die_with_parent(parent: int | None = None) -> None:
@@ -255,17 +258,17 @@ def _die_with_parent(parent: int | None = None) -> None:
     processes of 64 agents each were still running (their agents waiting for a start that
     never came) 17 minutes after their bench was killed, and loaded the machine for every
     measurement made after it (seen here, 2026-12-07). Applies to the simulation and
-    probe processes (forked from the bench) and to the nodes (from the fork server,
-    which exits with the bench). Linux, as the bench; best effort elsewhere.
+    probe processes (forked from the bench), to the nodes (from the fork server, which
+    exits with the bench) and to the etcd server (the request survives its ``exec``).
+    Linux, as the bench; best effort elsewhere.
 
     Args:
         parent: the pid that forked this process, where the caller knows it; a
             parent already gone by then ends this process at once.
     """
     expected = os.getppid() if parent is None else parent
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    with contextlib.suppress(AttributeError):  # the libc was loaded before the fork
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != expected:  # it exited before the request took effect
         os._exit(1)
 
@@ -366,6 +369,7 @@ class Backends:
                  f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                  f"--initial-cluster=default=http://127.0.0.1:{peer}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )  # fmt: skip
             self.etcd_endpoint = f"127.0.0.1:{client}"
             deadline = time.monotonic() + 15

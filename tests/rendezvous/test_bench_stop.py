@@ -5,7 +5,9 @@ Stopped by a signal, the bench used to leave them running: 64 processes of 64 ag
 each, waiting for a start that never came, still loaded the machine 17 minutes later
 (2026-12-07). Now SIGTERM stops the bench as Ctrl-C does (its processes stopped, its
 work directory deleted, exit status 143), and the kernel kills every child whose bench
-is gone, even after a SIGKILL that no handler sees. The real bench runs here, from the
+is gone, even after a SIGKILL that no handler sees: the simulation's processes and, where
+etcd is installed (the README's test command installs it), the bench's etcd server, which
+once stayed behind. The real bench runs here, from the
 checkout, as its documentation runs it.
 """
 
