@@ -7,8 +7,8 @@ each, waiting for a start that never came, still loaded the machine 17 minutes l
 work directory deleted, exit status 143), and the kernel kills every child whose bench
 is gone, even after a SIGKILL that no handler sees: the simulation's processes and, where
 etcd is installed (the README's test command installs it), the bench's etcd server, which
-once stayed behind. The real bench runs here, from the
-checkout, as its documentation runs it.
+once stayed behind. The real bench runs here, from the checkout, as its documentation
+runs it.
 """
 
 from __future__ import annotations
