@@ -29,6 +29,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "performance.md"
+sys.path.insert(0, str(REPO / "bench"))
+
+from _stopping import run_child, stop_on_sigterm  # noqa: E402
 
 # name -> script (all accept --quick)
 BENCHES = {
@@ -47,7 +50,9 @@ BENCHES = {
 def run_bench(name: str, quick: bool, timeout: float) -> list[dict[str, Any]]:
     cmd = [sys.executable, str(REPO / BENCHES[name]), *(["--quick"] if quick else [])]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    # a bench that runs out of time, or this run stopped, gets SIGTERM: its own clean-up
+    # cancels its jobs and stops its processes
+    proc = run_child(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     sys.stdout.write(proc.stdout)
     sys.stderr.write(proc.stderr[-4000:])
     rows = parse_lines(proc.stdout)
@@ -129,6 +134,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per bench")
     ap.add_argument("--doc", type=Path, default=DOC)
     args = ap.parse_args()
+    stop_on_sigterm()
     mode = "quick" if args.quick else "full"
     failed = []
     if args.from_jsonl:

@@ -64,6 +64,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from _stopping import stop_on_sigterm
 
 from slurm_elastic.checkpoint import CheckpointManager
 from slurm_elastic.checkpoint.staging import state_nbytes
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "--batch", type=int, default=16, help="samples per training step in the stall case"
     )
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "error: --device cuda needs a CUDA GPU, but torch.cuda.is_available() is False "

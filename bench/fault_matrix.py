@@ -28,11 +28,12 @@ import datetime as dt
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from _stopping import run_child, stop_on_sigterm
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
@@ -287,7 +288,7 @@ def _run(path: str, k: str | None) -> Path:
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
     print(f"== fault matrix, {path} path: {' '.join(cmd[3:])}", flush=True)
-    subprocess.run(cmd, cwd=REPO, env=env, check=False)
+    run_child(cmd, cwd=REPO, env=env)  # stopped: pytest gets SIGTERM first
     return junit
 
 
@@ -303,6 +304,7 @@ def main() -> int:
     parser.add_argument("-k", default=None, help="pytest -k expression (a subset)")
     parser.add_argument("--doc", type=Path, default=DOC)
     args = parser.parse_args()
+    stop_on_sigterm()
     junits: list[tuple[str, Path]] = []
     if args.from_junit:
         for item in args.from_junit:

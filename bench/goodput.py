@@ -67,6 +67,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from _stopping import stop_on_sigterm  # noqa: E402
+
 from slurm_elastic import ledger as sample_ledger  # noqa: E402
 from slurm_elastic.slurm.commands import SlurmClient  # noqa: E402
 from slurm_elastic.slurm.jobstate import JobInfo, JobState  # noqa: E402
@@ -374,16 +376,24 @@ def idle_or_refuse(case: Case, limit: float) -> str | None:
 
 
 def run_case(
-    system: str, schedule: str, n: int, hold: float, limit: float, refs: dict[Any, float]
+    system: str,
+    schedule: str,
+    n: int,
+    hold: float,
+    limit: float,
+    refs: dict[Any, float],
+    keep: bool = False,
 ) -> dict[str, Any]:
     """One job through one schedule; ``refs`` gets the undisturbed rates it measures
     (``(schedule, 4)``: the best 4-node rate of the schedule's jobs; ``w < 4``: the
-    in-place job's, measured once)."""
+    in-place job's, measured once). However it ends (a result, an error, the bench
+    stopped), its jobs are cancelled and, unless ``keep``, its directory is deleted."""
     period, silent = SCHEDULES[schedule]
     env = cluster_env()
     client = SlurmClient(env=env, timeout_s=60)
     tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{system}-", dir="/var/tmp"))
     case = Case(system, client, env, tmp)
+    print(f"# {system} {schedule}: case directory {tmp}", file=sys.stderr, flush=True)
     try:
         refused = idle_or_refuse(case, limit)
         if refused:
@@ -475,10 +485,12 @@ def run_case(
             "useful_s_ledger": round(done / rate4, 1),
             "events": log,
             "load_avg_1m": round(os.getloadavg()[0], 1),
-            "dir": str(tmp),
+            **({"dir": str(tmp)} if keep else {}),
         }
     finally:
         case.stop()
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def status_useful_s(state: Path, t_a: float, t_b: float) -> float | None:
@@ -546,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="inplace,requeue", help="inplace,restart,requeue")
     ap.add_argument("--keep", action="store_true", help="keep the case directories")
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     schedules = (args.schedules or ("60s" if args.quick else "60s,storm")).split(",")
     systems = args.systems.split(",")
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -555,14 +568,14 @@ def main(argv: list[str] | None = None) -> int:
         for system in ("inplace", "restart", "requeue"):
             if system in systems:
                 results[system, schedule] = run_case(
-                    system, schedule, n, args.hold, args.limit, measured
+                    system, schedule, n, args.hold, args.limit, measured, args.keep
                 )
                 print(f"# {system} {schedule}: {json.dumps(results[system, schedule])}",
                       file=sys.stderr, flush=True)  # fmt: skip
     for r in results.values():
         where = r.pop("dir", None)
-        if where and not args.keep:
-            shutil.rmtree(where, ignore_errors=True)
+        if where:
+            print(f"# kept: {where}", file=sys.stderr)
     rows = []
     for schedule in schedules:
         fastest = reference_rates(results, schedule, measured.get((schedule, NODES), 0.0))

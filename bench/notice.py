@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _stopping import stop_on_sigterm
+
 from slurm_elastic import notice
 
 
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=5)
     ns = parser.parse_args()
+    stop_on_sigterm()
     calls = 20_000 if ns.quick else 200_000
     steps = 100 if ns.quick else 500
     results = []

@@ -117,6 +117,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _stopping import run_child, stop_on_sigterm
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "overhead_worker.py"
 PY = sys.executable
@@ -192,8 +194,8 @@ def run_once(
         argv += ["--ab-cadence", LAUNCH.ab_cadence]
     with open(out / "agent.log", "wb") as log:
         try:
-            proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  timeout=limit, check=False)  # fmt: skip
+            proc = run_child(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             timeout=limit, grace=30)  # fmt: skip
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -483,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the same-processes runs: the clock of the session's vote cadence "
                     "('wall' counts the plain blocks between its steps too)")  # fmt: skip
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     workers = args.workers
     if workers is None and args.device == "cuda":
         import torch

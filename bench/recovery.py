@@ -64,6 +64,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from the checkout, installed or not
 
+from _stopping import stop_on_sigterm  # noqa: E402
+
 from slurm_elastic import ledger as sample_ledger  # noqa: E402
 
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -375,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "--worker-start", choices=("warm", "cold"), default="warm", help="our agents' worker start"
     )
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     global WORKER_START
     WORKER_START = args.worker_start
     n = args.nodes or (2 if args.quick else 4)

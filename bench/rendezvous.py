@@ -76,10 +76,13 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Run from the checkout as documented (python bench/rendezvous.py): the churn soak lives
-# in the test tree (tests/rendezvous/soak.py), importable from the repository root.
+# in the test tree (tests/rendezvous/soak.py), importable from the repository root; the
+# benches' shared helpers beside this file (also when a test loads it by its path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+from _stopping import check_stop, die_with_parent, end_children, stop_on_sigterm
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
@@ -189,7 +192,7 @@ def _free_port() -> int:
 
 
 def _node(conn: Connection, go: Any, params: RendezvousParameters) -> None:
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(1)
     logging_off()
     handler = None
@@ -245,84 +248,6 @@ def _node(conn: Connection, go: Any, params: RendezvousParameters) -> None:
             conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=2)}"))
 
 
-#: ``prctl`` option: the signal this process gets when the thread that forked it exits.
-_PR_SET_PDEATHSIG = 1
-#: This process's C library, loaded before any fork (a child need not load it).
-_LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with_parent(parent: int | None = None) -> None:
-    """Have the kernel SIGKILL this process once the process that forked it exits.
-
-    Without it, the bench's children outlived a bench stopped by a signal: 64 simulation
-    processes of 64 agents each were still running (their agents waiting for a start that
-    never came) 17 minutes after their bench was killed, and loaded the machine for every
-    measurement made after it (seen here, 2026-12-07). Applies to the simulation and
-    probe processes (forked from the bench), to the nodes (from the fork server, which
-    exits with the bench) and to the etcd server (the request survives its ``exec``).
-    Linux, as the bench; best effort elsewhere.
-
-    Args:
-        parent: the pid that forked this process, where the caller knows it; a
-            parent already gone by then ends this process at once.
-    """
-    expected = os.getppid() if parent is None else parent
-    with contextlib.suppress(AttributeError):  # the libc was loaded before the fork
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != expected:  # it exited before the request took effect
-        os._exit(1)
-
-
-#: The signal that asked the bench to stop (0: none).
-_STOP_SIGNAL = 0
-
-
-def _stop_on_sigterm() -> None:
-    """Turn SIGTERM into ``SystemExit(143)``: the bench's ``finally`` blocks then stop its
-    processes and delete its work directory, as they do on Ctrl-C.
-
-    Python drops an exception raised by a handler that runs inside a callback (it ran
-    inside ``logging``'s after-fork hook here, while the simulation forked: the bench went
-    on and exited 0), so the signal is also kept, and :func:`_check_stop` raises it again
-    where the bench waits (:func:`_wait_for`) and between cases.
-    """
-
-    def stop(signum: int, _frame: Any) -> None:
-        global _STOP_SIGNAL
-        _STOP_SIGNAL = signum
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
-def _end_children(timeout: float = 10.0) -> None:
-    """SIGKILL this process's remaining children and reap them, before the work directory
-    goes: a child forked just as a stop came is in no list, and would write on into it.
-    Linux's ``/proc/PID/task/TID/children``; nothing to do where it is missing."""
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(int(c) for c in (task / "children").read_text().split())
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    break
-            except ChildProcessError:
-                break
-            time.sleep(0.02)
-
-
-def _check_stop() -> None:
-    """Raise ``SystemExit`` if a stop signal came (its first raise may have been lost)."""
-    if _STOP_SIGNAL:
-        raise SystemExit(128 + _STOP_SIGNAL)
-
-
 def logging_off() -> None:
     import logging
 
@@ -369,7 +294,7 @@ class Backends:
                  f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                  f"--initial-cluster=default=http://127.0.0.1:{peer}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
             )  # fmt: skip
             self.etcd_endpoint = f"127.0.0.1:{client}"
             deadline = time.monotonic() + 15
@@ -594,7 +519,7 @@ def _sim_process(
     parent: int,
 ) -> None:
     """One light simulation process: ``count`` agents, one thread each (see below)."""
-    _die_with_parent(parent)
+    die_with_parent(parent)
     import resource
     import threading
 
@@ -723,7 +648,7 @@ def _task_cpu() -> dict[int, float]:
 
 
 def _create_probe_proc(directory: str, count: int, go: Any, out: Any, parent: int) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
     import threading
 
     used = [0.0]
@@ -914,7 +839,7 @@ def _wait_for(conn: Connection, timeout: float) -> str | None:
     """
     deadline = time.monotonic() + timeout
     while True:
-        _check_stop()
+        check_stop()
         available = _mem_available_mb()
         if available is not None and available < SIM_MEMORY_FLOOR_MB:
             return f"stopped: available memory fell to {available / 1024:.1f} GiB"
@@ -1068,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak-seconds", type=float, default=None)
     args = ap.parse_args(argv)
     resolver = _resolver_note(argv)
-    _stop_on_sigterm()
+    stop_on_sigterm()
     if args.store_sizes is None:
         args.store_sizes = "1024,4096" if args.quick else "1024,4096,8192,16384"
     register()
@@ -1086,7 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(case: str, ours: float | None, baseline: float | None, target: float,
                ok: bool, unit: str, **extra: Any) -> None:  # fmt: skip
-        _check_stop()  # a stop signal whose first raise was lost ends the bench here
+        check_stop()  # a stop signal whose first raise was lost ends the bench here
         ratio = None if ours is None or not baseline else ours / baseline
         rec = {"bench": "rendezvous", "case": case, "ours": ours, "baseline": baseline,
                "ratio": ratio, "target": target, "ok": bool(ok), "unit": unit, **extra,
@@ -1247,7 +1172,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     finally:
         backends.close()
-        _end_children()
+        end_children()
         shutil.rmtree(work, ignore_errors=True)
 
     _table(lines)

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _stopping import stop_on_sigterm
+
 from slurm_elastic.rendezvous.backend import SEGMENT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -395,6 +397,7 @@ def main() -> int:
     parser.add_argument("--entrypoint", type=Path, default=TRAIN, help="the training script")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()
+    stop_on_sigterm()
     changes = args.changes or (12 if args.quick else 100)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         soak = Soak(Path(tmp), changes, args.path, args.entrypoint)

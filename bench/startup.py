@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _stopping import stop_on_sigterm
+
 from slurm_elastic.events import read_events
 from slurm_elastic.slurm.commands import SlurmClient
 from slurm_elastic.submit.render import render_template
@@ -111,14 +113,21 @@ def run_job(client: SlurmClient, script: str, out: Path, timeout: float) -> dict
     out.mkdir(parents=True)
     job = client.submit(script)
     deadline = time.monotonic() + timeout
-    while True:
-        info = client.job_info(job)
-        if info.state.is_terminal:
-            break
-        if time.monotonic() > deadline:
-            client.cancel(job)
-            raise RuntimeError(f"job {job} did not finish within {timeout:.0f} s")
-        time.sleep(0.1)
+    try:
+        while True:
+            info = client.job_info(job)
+            if info.state.is_terminal:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {job} did not finish within {timeout:.0f} s")
+            time.sleep(0.1)
+    except BaseException:  # out of time, or the bench stopped: the job goes with it
+        client.cancel(job)
+        # and its processes, which write into the work directory, end before it is deleted
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not client.job_info(job).state.is_terminal:
+            time.sleep(0.2)
+        raise
     result = out / "first_step.json"
     if not result.exists() or not (out / "job_start").exists():
         raise RuntimeError(f"job {job} ended {info.state.value} without a first step")
@@ -150,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="per job, queueing included")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     args = p.parse_args(argv)
+    stop_on_sigterm()
     sizes = args.nodes or ([2] if args.quick else [2, 4])
     repeat = args.repeat or (2 if args.quick else 3)
 
@@ -157,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     client.check()
     work = Path(tempfile.mkdtemp(prefix="slurm-elastic-bench-startup-", dir="/var/tmp"))
     (work / "logs").mkdir()
+    print(f"# work directory {work}", file=sys.stderr, flush=True)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     try:
         for rep in range(repeat):

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _stopping import stop_on_sigterm
+
 KINDS = ("plain", "entry", "preopt", "sync", "plain2")
 
 
@@ -116,13 +118,16 @@ def run(rounds: int, per: int, limit_s: float) -> dict[str, Any]:
         ]
         deadline = time.monotonic() + limit_s
         logs = []
-        for p in procs:
-            try:
+        try:
+            for p in procs:
                 logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within {limit_s:.0f} s"}
+        finally:  # out of time, or the bench stopped
+            for q in procs:
+                if q.poll() is None:
                     q.kill()
-                return {"error": f"no result within {limit_s:.0f} s"}
+                    q.wait()
         if any(p.returncode for p in procs) or not os.path.exists(out):
             tail = b"".join(logs).decode(errors="replace")[-1500:]
             return {"error": f"exit {[p.returncode for p in procs]}", "log_tail": tail}
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per", type=int, default=3, help="steps per block, one vote each")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds for the run")
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     if args.per < 1:
         ap.error(f"--per={args.per}: must be >= 1")
     rounds = args.rounds or (40 if args.quick else 150)
