@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,17 @@ import pytest
 from tests.conftest import SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent.parent
+DEMO_DIRS = "slurm-elastic-demo-*"  # scripts/demo.py's working directories, in /var/tmp
+
+
+@pytest.fixture(autouse=True)
+def _remove_the_demos_directory() -> Iterator[None]:
+    """The demo keeps its working directory for the user (its status and timeline); a
+    test's run of it removes it (each suite run left two behind)."""
+    before = set(Path("/var/tmp").glob(DEMO_DIRS))
+    yield
+    for left in set(Path("/var/tmp").glob(DEMO_DIRS)) - before:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def _run_demo(cluster: str, env: dict[str, str], timeout: float) -> str:
