@@ -192,7 +192,7 @@ def _run(launch: _Launch) -> int:
 
 def _prepare_run_files(
     config: ElasticConfig,
-    log_dir: Path | None,
+    log_dir: Path,
     slurm: SlurmEnv,
     environ: Mapping[str, str] = os.environ,
 ) -> bool:
@@ -215,7 +215,7 @@ def _prepare_run_files(
     return True
 
 
-def _announce_start(launch: _Launch, log_dir: Path | None) -> None:
+def _announce_start(launch: _Launch, log_dir: Path) -> None:
     """The ``AgentStart`` event, and the run's record for ``slurm-elastic status JOB``."""
     config = launch.config
     events.emit(
@@ -270,7 +270,7 @@ def _make_agent(
     launch: _Launch,
     handler: RendezvousHandler,
     stop: Stop,
-    log_dir: Path | None,
+    log_dir: Path,
     redirects: str,
     tee: str,
 ) -> SlurmElasticAgent:
@@ -296,7 +296,7 @@ def _make_agent(
     return SlurmElasticAgent(
         spec=spec,
         logs_specs=RoundLogsSpecs(
-            log_dir=str(log_dir) if log_dir else None,
+            log_dir=str(log_dir),
             redirects=Std.from_str(redirects),
             tee=Std.from_str(tee),
         ),

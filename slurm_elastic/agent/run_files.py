@@ -47,18 +47,22 @@ class RoundLogsSpecs(DefaultLogsSpecs):
         return dest
 
 
-def worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path | None, str, str]:
+def worker_logs(config: ElasticConfig, redirects: str, tee: str) -> tuple[Path, str, str]:
     """Where the workers' output goes: per-rank files kept across restarts and requeues.
 
-    With no ``log_dir`` configured, the files go under ``state_dir/logs/<run_id>`` and are
-    also copied to the agent's output (``tee``), each line prefixed ``[rank<R>]:``, unless
-    the user chose ``redirects``/``tee`` explicitly (``slurm-elastic logs`` reads them).
+    With no ``log_dir`` configured, the files go under ``state_dir/logs/<run_id>`` (``run``
+    without a run id) and are also copied to the agent's output (``tee``), each line
+    prefixed ``[rank<R>]:``, unless the user chose ``redirects``/``tee`` explicitly or the
+    run has no id (``slurm-elastic logs`` reads them). Never torch's default, a new
+    ``torchelastic_*`` directory in the system's temporary directory per agent start that
+    nothing removes.
     """
     if config.log_dir is not None:
         return config.log_dir, redirects, tee
+    log_dir = config.state_dir / "logs" / (config.run_id or "run")
     if config.run_id is None or (redirects, tee) != ("0", "0"):
-        return None, redirects, tee
-    return config.state_dir / "logs" / config.run_id, "0", "3"
+        return log_dir, redirects, tee
+    return log_dir, "0", "3"
 
 
 def private_directories(config: ElasticConfig, log_dir: Path | None) -> None:

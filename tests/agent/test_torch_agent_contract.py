@@ -11,6 +11,7 @@ pinned is torch's loop, not workers.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def agent(max_restarts: int, states: list[WorkerState], waiting: list[int]) -> A
         def _exit_barrier(self) -> None:
             calls.append(("exit_barrier", self._remaining_restarts))
 
-    seam = Seam(spec=spec, logs_specs=DefaultLogsSpecs())
+    seam = Seam(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull))  # no directory
     seam.calls = calls
     return seam
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,10 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def test_submit_wait_shows_progress_then_status_logs_timeline_find_the_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the job's folder is a new temporary directory, kept for the user: here in tmp_path
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     config = tmp_path / "job.yaml"
     config.write_text(
         json.dumps(  # JSON is YAML

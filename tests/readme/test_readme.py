@@ -221,7 +221,11 @@ def test_readme_plain_torchrun_batch_script(slurm_cluster: SlurmCluster, tmp_pat
     script's ``#SBATCH --nodes=4``) leaves room on the shared 4-node test cluster."""
     shutil.copy(TRAIN, tmp_path / "train.py")
     (tmp_path / "torchrun.sbatch").write_text(readme_blocks()["torchrun.sbatch"] + "\n")
-    out = _bash("sbatch --nodes=2 torchrun.sbatch", tmp_path, _env(slurm_cluster))
+    env = _env(slurm_cluster)
+    # torchrun's default log directory is a new torchelastic_* in the temporary directory
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir(mode=0o700)
+    out = _bash("sbatch --nodes=2 torchrun.sbatch", tmp_path, env)
     job_id = re.search(r"Submitted batch job (\d+)", out)
     assert job_id, out
     _wait_completed(slurm_cluster, [job_id[1]], tmp_path)

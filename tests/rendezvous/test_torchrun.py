@@ -34,6 +34,7 @@ class TorchrunAgents(Agents):
                 "--local-addr=127.0.0.1",
                 "--max-restarts=3",
                 "--monitor-interval=0.1",
+                f"--log-dir={self.out / 'torch-logs'}",  # not a torchelastic_* dir in /tmp
                 str(SCRIPTS / "worker.py"),
                 str(self.out),
             ],

@@ -6,6 +6,7 @@ Args: ROOT RUN_ID MIN MAX OUT_DIR. Two workers running worker.py; fast rendezvou
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 root, run_id, min_n, max_n, out = sys.argv[1:6]
@@ -25,6 +26,8 @@ config = LaunchConfig(
     max_restarts=5,
     monitor_interval=0.1,
     local_addr="127.0.0.1",
+    # torch's default is a new torchelastic_* directory in /tmp that nothing removes
+    logs_specs=DefaultLogsSpecs(log_dir=str(Path(out) / "torch-logs")),
 )
 worker = str(Path(__file__).with_name("worker.py"))
 elastic_launch(config, sys.executable)(worker, out)
