@@ -114,8 +114,37 @@ if [[ $second == 1 ]]; then
     fi
 fi
 
+# ---------------------------------------------------------------- lanes
+# Without pytest arguments (the CI path), with a cluster: two lanes at once. The tests on
+# the real Slurm (marker `slurm`) spend most of their time on Slurm's timers (time limits
+# checked every 30 s, the requeue hold, GraceTime: about one core busy of two); the local
+# multi-process tests keep both cores busy. The Slurm lane runs in the background (its
+# output is printed after the local lane's); SLURM_ELASTIC_TEST_LANES=0 runs one pytest.
+lanes=${SLURM_ELASTIC_TEST_LANES:-}
+unset SLURM_ELASTIC_TEST_LANES
+if [[ -z $lanes ]]; then
+    if [[ $# -eq 0 && -n ${SLURM_CONF:-} ]]; then lanes=1; else lanes=0; fi
+fi
+
 rc=0
-PATH=$VENV/bin:$PATH "$PY" -m pytest --durations=40 "$@" || rc=$?
+if [[ $lanes == 1 ]]; then
+    lane_log=$(mktemp "${TMPDIR:-/tmp}/slurm-elastic-slurm-lane.XXXXXX")
+    say "two lanes: the Slurm tests in the background (output: $lane_log, printed at the end)"
+    PATH=$VENV/bin:$PATH "$PY" -m pytest -p no:cacheprovider --durations=25 -m slurm \
+        >"$lane_log" 2>&1 &
+    lane_pid=$!
+    # an interrupted run does not leave the Slurm lane running behind it
+    trap 'kill "$lane_pid" ${torch2_pid:+"$torch2_pid"} 2>/dev/null || true; stop_cluster' EXIT
+    PATH=$VENV/bin:$PATH "$PY" -m pytest --durations=40 -m "not slurm" || rc=$?
+    lane_rc=0
+    wait "$lane_pid" || lane_rc=$?
+    say "the Slurm lane (exit $lane_rc):"
+    cat "$lane_log"
+    rm -f "$lane_log"
+    [[ $lane_rc -eq 0 ]] || rc=$lane_rc
+else
+    PATH=$VENV/bin:$PATH "$PY" -m pytest --durations=40 "$@" || rc=$?
+fi
 
 if [[ $second == 1 ]]; then
     if [[ -n $torch2_pid ]]; then

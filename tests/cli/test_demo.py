@@ -21,20 +21,21 @@ import pytest
 from tests.conftest import SlurmCluster
 
 REPO = Path(__file__).resolve().parent.parent.parent
-DEMO_DIRS = "slurm-elastic-demo-*"  # scripts/demo.py's working directories, in /var/tmp
+DEMO_DIRS = r"slurm-elastic-demo-[\w-]+"  # scripts/demo.py's working directories, in /var/tmp
 
 
-@pytest.fixture(autouse=True)
-def _remove_the_demos_directory() -> Iterator[None]:
+@pytest.fixture
+def demo_dirs() -> Iterator[list[Path]]:
     """The demo keeps its working directory for the user (its status and timeline); a
-    test's run of it removes it (each suite run left two behind)."""
-    before = set(Path("/var/tmp").glob(DEMO_DIRS))
-    yield
-    for left in set(Path("/var/tmp").glob(DEMO_DIRS)) - before:
-        shutil.rmtree(left, ignore_errors=True)
+    test's run of it removes it (each suite run left two behind). Only the directory its
+    own demo printed: another test may be running a demo at the same time."""
+    made: list[Path] = []
+    yield made
+    for work in made:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_demo(cluster: str, env: dict[str, str], timeout: float) -> str:
+def _run_demo(cluster: str, env: dict[str, str], timeout: float, made: list[Path]) -> str:
     if cluster == "slurm" and (REPO / ".venv" / "bin" / "python").exists():
         argv = [str(REPO / "scripts" / "demo.sh")]
     else:
@@ -44,7 +45,13 @@ def _run_demo(cluster: str, env: dict[str, str], timeout: float) -> str:
         argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     out = proc.stdout + proc.stderr
+    work = re.search(
+        r"working directory \(shared by all nodes\): (/var/tmp/" + DEMO_DIRS + ")$", out, re.M
+    )
+    if work is not None:
+        made.append(Path(work.group(1)))
     assert proc.returncode == 0, out[-6000:]
+    assert work is not None, out[-3000:]
     return proc.stdout
 
 
@@ -58,9 +65,11 @@ def _check_ending(out: str) -> None:
 
 
 @pytest.mark.slow
-def test_demo_without_slurm_runs_local_agents_and_shows_status_and_timeline() -> None:
+def test_demo_without_slurm_runs_local_agents_and_shows_status_and_timeline(
+    demo_dirs: list[Path],
+) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    out = _run_demo("local", env, timeout=600)
+    out = _run_demo("local", env, timeout=600, made=demo_dirs)
     assert "no Slurm cluster here: running 3 local node agents" in out
     assert "world is now 2 node(s)" in out and "world is now 3 node(s)" in out
     assert re.search(r"^vm:\d+ .* preempted ", out, flags=re.M) or " preempted " in out
@@ -70,11 +79,11 @@ def test_demo_without_slurm_runs_local_agents_and_shows_status_and_timeline() ->
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_demo_on_slurm_preempts_requeues_and_shows_status_and_timeline(
-    slurm_cluster: SlurmCluster,
+    slurm_cluster: SlurmCluster, demo_dirs: list[Path]
 ) -> None:
     # KEEP_CLUSTER=1: demo.sh must never stop a cluster, even one it started itself
     env = {**os.environ, **slurm_cluster.env, "KEEP_CLUSTER": "1"}
-    out = _run_demo("slurm", env, timeout=900)
+    out = _run_demo("slurm", env, timeout=900, made=demo_dirs)
     assert "requeued its own task" in out
     assert re.search(r"^SLURM TASK +STATE", out, flags=re.M)
     assert "left in the queue: nothing" in out
