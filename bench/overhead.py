@@ -174,7 +174,8 @@ def run_once(
     workers = LAUNCH.workers
     if LAUNCH.launcher == "torchrun":
         launcher = [PY, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(workers), "--max-restarts", "0"]  # fmt: skip
+                    "--nproc-per-node", str(workers), "--max-restarts", "0",
+                    "--log-dir", str(out / "torch-logs")]  # fmt: skip
     else:
         launcher = [
             PY, "-m", "slurm_elastic.cli.main", "agent", "--nnodes", "1",

@@ -104,7 +104,9 @@ class Node:
             argv = [
                 PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "bench", "--max-restarts", "3", *train,
+                "--rdzv-id", "bench", "--max-restarts", "3",
+                "--log-dir", str(tmp / "torch-logs"),  # not a torchelastic_* dir in /tmp
+                *train,
             ]  # fmt: skip
         else:
             if system == "restart":

@@ -102,6 +102,7 @@ def baseline_script(n: int, out: Path, work: Path) -> str:
             f"srun --ntasks-per-node=1 --cpus-per-task=2 {q(sys.executable)} -m torch.distributed.run"
             f" --nnodes={n} --nproc-per-node={NPROC} --rdzv-backend=c10d"
             ' --rdzv-endpoint="$HEAD:29500" --rdzv-id="$SLURM_JOB_ID"'
+            f" --log-dir={q(str(out / 'torch-logs'))}"
             f" {q(str(WORKER))} {q(str(out))}",
             "",
         ]

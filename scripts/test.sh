@@ -6,8 +6,9 @@
 # 2. as root: installs Slurm + munge (Debian) and starts the local cluster with
 #    scripts/slurm-cluster (netns mode if 'ip netns' works, else loopback;
 #    SLURM_ELASTIC_CLUSTER_MODE=loopback|netns chooses; SLURM_ELASTIC_CLUSTER=0 skips);
-# 3. runs pytest with the given arguments, stops the cluster it started (unless
-#    KEEP_CLUSTER=1) and exits with pytest's status.
+# 3. runs pytest with the given arguments (without any, with a cluster: the Slurm tests
+#    in a second pytest beside the others, see "lanes"), stops the cluster it started
+#    (unless KEEP_CLUSTER=1) and exits with pytest's status.
 # With CI=true a cluster that fails to start is a failure (rc 3); elsewhere the Slurm
 # tests are then skipped with the reason.
 set -euo pipefail
