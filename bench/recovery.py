@@ -6,7 +6,11 @@ triggers one event, and reads from the ledger when the survivors completed steps
 
 * ``join``: one more node starts (N-1 -> N);
 * ``leave``: the last node gets the preemption notice (SIGUSR2; torchrun: SIGTERM);
-* ``hard_nonstore``: the last node's agent and worker are SIGKILLed;
+* ``hard_nonstore``: the agent and worker of the last node started that does not host
+  the store are SIGKILLed (torchrun's c10d store is in the agent that bound its port
+  first, usually but not always the first one started: the bench looks the listener up;
+  before 2026-12-07 it assumed the first, and a quick run that killed the store host
+  instead reported torchrun as never recovering);
 * ``hard_store``: the node hosting the store is SIGKILLed (ours: the round's rank 0,
   which hosts the workers' store; torchrun: the agent hosting the c10d TCPStore);
 * ``crash``: one worker process of the last node is SIGKILLed (its agent lives);
@@ -216,15 +220,41 @@ def wait(pred: Any, limit: float) -> bool:
     return False
 
 
-def store_host(system: str, nodes: list[Node], before: list[dict[str, Any]], world: int) -> Node:
+def _listening_pid(port: int) -> int | None:
+    """The process with a listening TCP socket on ``port`` (``/proc``: its inode among
+    the sockets the kernel lists, then the process holding it), else None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # LISTEN
+                    inodes.add(f"socket:[{cols[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        return int(pid)
+    return None
+
+
+def store_host(
+    system: str, nodes: list[Node], before: list[dict[str, Any]], world: int, port: int
+) -> Node:
     """The node hosting the store the workers use.
 
     Ours: the agent of group rank 0 of the current round hosts the round's TCPStore;
     with one worker per node, that is the node of the worker with rank 0. torchrun: the
-    agent that bound the c10d endpoint first (the first one started).
+    agent that bound the c10d endpoint first (usually, not always, the first one started:
+    the one whose process listens on ``port``).
     """
     if system == "torchrun":
-        return nodes[0]
+        listener = _listening_pid(port)
+        for node in nodes:
+            if node.proc.pid == listener:
+                return node
+        raise RuntimeError(f"no torchrun agent listens on the c10d port {port}")
     rank0 = [r["pid"] for r in before if r["world"] == world and r["rank"] == 0]
     for node in nodes:
         if rank0 and rank0[-1] in node.workers():
@@ -252,8 +282,10 @@ def run_one(system: str, event: str, n: int, limit: float) -> dict[str, Any]:
             before = ledger(tmp)
             last_step = max(r["step"] for r in before)
             victim = nodes[-1]
-            if event == "hard_store":
-                victim = store_host(system, nodes, before, first)
+            if event.startswith("hard"):
+                host = store_host(system, nodes, before, first, port)
+                # hard_nonstore: the last node started that does not host the store
+                victim = host if event == "hard_store" else [x for x in nodes if x is not host][-1]
             survivors = [x for x in nodes if x is not victim] if event != "join" else nodes
             survivor_pids = {p for x in survivors for p in x.workers()}
             t0 = time.time()
