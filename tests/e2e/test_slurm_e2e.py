@@ -108,8 +108,11 @@ def test_elastic_array_survives_requeue_usr2_and_partition_preemption(
         "16",
         "--save-every",
         "25",
+        # paced (released after the last regrow): 900 steps x 0.2 s is the time the three
+        # requeue cycles may take (0.1 s ran out once in a loaded suite: the run ended at
+        # step 900 while the third requeued task was joining)
         "--step-time",
-        "0.1",
+        "0.2",
         "--out",
         str(tmp_path / "params.pt"),
         "--ledger",

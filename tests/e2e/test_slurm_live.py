@@ -104,7 +104,8 @@ def test_four_task_array_leaves_promotes_loses_and_rejoins_in_place(
     # goes through in-place changes on this Slurm in test_slurm_e2e.py and the fault matrix.
     train_args = [
         "--steps", "1200", "--dataset-size", str(DATASET), "--global-batch", "12",
-        "--save-every", "50", "--step-time", "0.1", "--num-workers", "2",
+        # paced until the rejoin: 1200 x 0.2 s is the time every change may take
+        "--save-every", "50", "--step-time", "0.2", "--num-workers", "2",
         "--out", str(tmp_path / "params.pt"), "--ledger", str(tmp_path / "ledger.jsonl"),
         "--pace-until-file", str(tmp_path / "release"),  # paced until the rejoin, below
     ]  # fmt: skip
@@ -217,7 +218,8 @@ def test_a_failed_reform_falls_back_to_the_restart_path_on_slurm(
     wait_idle_nodes(client, 2)
     train_args = [
         "--steps", "400", "--dataset-size", str(DATASET), "--global-batch", "12",
-        "--save-every", "20", "--step-time", "0.1", "--reform-timeout", "0.5",
+        # paced until the fallback: 400 x 0.2 s is the time it may take
+        "--save-every", "20", "--step-time", "0.2", "--reform-timeout", "0.5",
         "--out", str(tmp_path / "params.pt"), "--ledger", str(tmp_path / "ledger.jsonl"),
         "--pace-until-file", str(tmp_path / "release"),  # paced until the fallback is seen
     ]  # fmt: skip
