@@ -6,8 +6,8 @@
 # 2. as root: installs Slurm + munge (Debian) and starts the local cluster with
 #    scripts/slurm-cluster (netns mode if 'ip netns' works, else loopback;
 #    SLURM_ELASTIC_CLUSTER_MODE=loopback|netns chooses; SLURM_ELASTIC_CLUSTER=0 skips);
-# 3. runs pytest with the given arguments (SLURM_ELASTIC_TEST_LANES=1, without any: the
-#    Slurm tests in a second pytest beside the others, see "lanes"), stops the cluster it
+# 3. runs pytest with the given arguments (without any, and with a cluster: the Slurm
+#    tests in a second pytest beside the others, see "lanes"), stops the cluster it
 #    started (unless KEEP_CLUSTER=1) and exits with pytest's status.
 # With CI=true a cluster that fails to start is a failure (rc 3); elsewhere the Slurm
 # tests are then skipped with the reason.
@@ -116,19 +116,18 @@ if [[ $second == 1 ]]; then
 fi
 
 # ---------------------------------------------------------------- lanes
-# SLURM_ELASTIC_TEST_LANES=1 (not the default; without pytest arguments, with a cluster):
-# two lanes at once. The tests on the real Slurm (marker `slurm`) spend most of their
-# time on Slurm's timers (time limits checked every 30 s, the requeue hold, GraceTime:
-# about one core busy of two); the local multi-process tests keep both cores busy. The
-# Slurm lane runs in the background (its output is printed after the local lane's).
-# Measured 2026-12-07: 39:44 instead of 50:55, but the load (4-7 on 2 cores) failed two
-# timing-bound tests in the second of two runs (both since made robust); not the default
-# until more runs show no such failure.
-lanes=${SLURM_ELASTIC_TEST_LANES:-0}
+# Without pytest arguments and with a cluster (the CI path): two lanes at once. The tests
+# on the real Slurm (marker `slurm`) spend most of their time on Slurm's timers (time
+# limits checked every 30 s, the requeue hold, GraceTime: about one core busy of two);
+# the local multi-process tests keep both cores busy. The Slurm lane runs in the
+# background (its output is printed after the local lane's). Measured 2026-12-07 on 2
+# cores: 39:44 instead of 50:55 for one pytest; the load (4-7) it brings found two tests
+# whose timing bounds were too tight (since made robust). SLURM_ELASTIC_TEST_LANES=0
+# runs one pytest.
+lanes=${SLURM_ELASTIC_TEST_LANES:-1}
 unset SLURM_ELASTIC_TEST_LANES
 if [[ $lanes == 1 && ( $# -ne 0 || -z ${SLURM_CONF:-} ) ]]; then
-    say "SLURM_ELASTIC_TEST_LANES=1 needs no pytest arguments and a cluster: one pytest"
-    lanes=0
+    lanes=0 # pytest arguments or no cluster: one pytest
 fi
 
 rc=0
