@@ -121,9 +121,9 @@ fi
 # limits checked every 30 s, the requeue hold, GraceTime: about one core busy of two);
 # the local multi-process tests keep both cores busy. The Slurm lane runs in the
 # background (its output is printed after the local lane's). Measured 2026-12-07 on 2
-# cores: 39:44 instead of 50:55 for one pytest; the load (4-7) it brings found two tests
-# whose timing bounds were too tight (since made robust). SLURM_ELASTIC_TEST_LANES=0
-# runs one pytest.
+# cores: 29:12-39:44 for the suite (four clean runs) against 50:55-55:58 for one pytest;
+# the load (4-7) it brings found two tests whose timing bounds were too tight (since made
+# robust). SLURM_ELASTIC_TEST_LANES=0 runs one pytest.
 lanes=${SLURM_ELASTIC_TEST_LANES:-1}
 unset SLURM_ELASTIC_TEST_LANES
 if [[ $lanes == 1 && ( $# -ne 0 || -z ${SLURM_CONF:-} ) ]]; then
