@@ -126,6 +126,10 @@ fi
 # robust). SLURM_ELASTIC_TEST_LANES=0 runs one pytest.
 lanes=${SLURM_ELASTIC_TEST_LANES:-1}
 unset SLURM_ELASTIC_TEST_LANES
+if [[ $lanes != 0 && $lanes != 1 ]]; then
+    say "error: SLURM_ELASTIC_TEST_LANES=$lanes: use 1 (two lanes, the default) or 0 (one pytest)"
+    exit 2
+fi
 if [[ $lanes == 1 && ( $# -ne 0 || -z ${SLURM_CONF:-} ) ]]; then
     lanes=0 # pytest arguments or no cluster: one pytest
 fi

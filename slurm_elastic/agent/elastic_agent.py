@@ -19,7 +19,12 @@ is; this class plugs into its intended extension points:
      ``tests/agent/test_torch_agent_contract.py``); else torch charges the failure;
   3. **graceful leave in place**: after a preemption notice (:meth:`request_live_leave`)
      the agent leaves the rendezvous while its workers keep training; they exit at the
-     switch of the survivors, then the agent stops through torch's signal path.
+     switch of the survivors, then the agent stops through torch's signal path;
+  4. **a lost stop is acted on**: the stop signal's ``SignalException`` is raised in
+     whatever code the main thread ran, and code that catches ``Exception`` there
+     swallows it (logging's handlers do); torch's loop monitors only while no stop is
+     under way, so ``stop_check`` raises a stop seen at a tick again
+     (:meth:`slurm_elastic.agent.stop.Stop.raise_if_lost`).
 * ``_restart_workers`` is wrapped:
   1. **in place**: for a membership change (nothing failed locally) with workers that
      registered on the node channel (:mod:`slurm_elastic.live.roster`), the agent
@@ -146,10 +151,12 @@ class SlurmElasticAgent(LocalElasticAgent):
         leave: Callable[[], None],
         leave_timeout_s: float,
         warm: WarmWorkers | None = None,
+        stop_check: Callable[[], None] = lambda: None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._warm = warm
+        self._stop_check = stop_check
         self._membership_grace_s = membership_grace_s
         self._progress = progress
         self._hang_timeout_s = hang_timeout_s
@@ -244,6 +251,7 @@ class SlurmElasticAgent(LocalElasticAgent):
     # -- the monitor loop's extension point -------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._stop_check()  # a stop whose exception was swallowed: raise it again
         result = super()._monitor_workers(worker_group)
         state = result.state
         if self._leaving_since is not None:

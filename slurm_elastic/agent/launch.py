@@ -316,6 +316,7 @@ def _make_agent(
         leave=lambda: leave_rendezvous(handler),
         leave_timeout_s=config.shutdown_timeout_s,
         warm=launch.warm,
+        stop_check=stop.raise_if_lost,
     )
 
 

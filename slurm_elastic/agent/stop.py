@@ -88,6 +88,27 @@ class Stop:
         # for SIGTERM, whose default action would kill them before they can save.
         raise SignalException(f"agent {os.getpid()} got {sig.name}", sigval=self.notice_signal)
 
+    def raise_if_lost(self) -> None:
+        """Raise the stop again if its :class:`SignalException` was lost (the agent's
+        monitor tick calls this).
+
+        The handler raises in whatever code the main thread was running, and code that
+        catches ``Exception`` there swallows it: the logging module's handlers do
+        (``StreamHandler.emit``; measured: 19 of 20 signals that came while a record was
+        written were lost). torch's loop only monitors while no stop is under way, so a
+        stop seen at a tick was lost; without this the agent trained on, stopping
+        nothing and requeueing nothing.
+        """
+        if not self.stopping:
+            return
+        log.warning(
+            "the stop on %s was caught by the code it interrupted; acting on it now",
+            self.signals[-1] if self.signals else "a signal",
+        )
+        raise SignalException(
+            f"agent {os.getpid()} got {'/'.join(self.signals)}", sigval=self.notice_signal
+        )
+
 
 def install_stop_handlers(
     notice_signal: signal.Signals, channel: NodeChannel

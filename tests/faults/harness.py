@@ -294,6 +294,24 @@ class FaultRun:
             for p in sorted((self.tmp / "logs").glob("*.out"))
         )
 
+    def diagnosis(self, lines: int = 25, events: int = 40) -> str:
+        """Each task's last ``lines`` agent log lines (the workers' ``[rank...]`` output
+        left out) and the run's last ``events`` events but routine progress and saves, for a
+        failed case."""
+        logs = []
+        for path in sorted((self.tmp / "logs").glob("*.out")):
+            text = path.read_text(errors="replace").splitlines()
+            own = [line[:300] for line in text if not line.startswith("[rank")]
+            logs.append(f"--- {path.name}\n" + "\n".join(own[-lines:]))
+        tail = []
+        routine = ("train.progress", "checkpoint.saved", "checkpoint.removed")
+        for e in [e for e in self.events() if e["kind"] not in routine][-events:]:
+            own_fields = [f"{k}={v}" for k, v in e.fields().items()][:7]
+            fields = [f"at={e['host']}:{e['pid']}", *own_fields]
+            when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+            tail.append(" ".join([when, str(e["kind"]), *fields]))
+        return "\n".join(logs) + f"\n--- the last {len(tail)} agent events\n" + "\n".join(tail)
+
     def events(self, since: float = 0.0, kind: str | None = None) -> list[dict[str, Any]]:
         return [
             e
@@ -558,8 +576,11 @@ class Scenario:
     cases are recorded as not reached. Each test then asserts its own case's outcome.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, diagnose: Callable[[], str] | None = None) -> None:
         self.outcomes: dict[str, str | None] = {}
+        #: what to add to a failed case's traceback (e.g. the job's log tails): CI keeps
+        #: only the test output, so a failure must carry what explains it
+        self.diagnose = diagnose
         self.broken: str | None = None
         self.end_error: str | None = None
         self.seconds: dict[str, float] = {}
@@ -576,11 +597,19 @@ class Scenario:
         except pytest.skip.Exception as exc:
             self.outcomes[name] = f"{SKIPPED}{exc.msg}"
         except Exception:
-            self.outcomes[name] = traceback.format_exc()
+            self.outcomes[name] = traceback.format_exc() + self._diagnosis()
             self.broken = name
         else:
             self.outcomes[name] = None
         self.seconds[name] = time.monotonic() - start
+
+    def _diagnosis(self) -> str:
+        if self.diagnose is None:
+            return ""
+        try:
+            return f"\n--- at the failure:\n{self.diagnose()}"
+        except Exception as exc:  # the diagnosis must not hide the failure
+            return f"\n--- no diagnosis: {type(exc).__name__}: {exc}"
 
     def run(
         self, name: str, body: Callable[[], None], after: Callable[[str], None] | None = None

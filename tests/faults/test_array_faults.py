@@ -352,7 +352,7 @@ def _array_run(
         },
         path=path,
     )
-    sc = Scenario()
+    sc = Scenario(diagnose=run.diagnosis)
     try:
         try:
             _scenario(run, sc, cases)
