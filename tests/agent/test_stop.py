@@ -16,17 +16,16 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
 from slurm_elastic.agent.stop import Stop, install_stop_handlers
 from slurm_elastic.agent.watchdog import ProgressWatch
 from slurm_elastic.channel import NodeChannel
+from tests.agent.idle_handler import IdleHandler
 
 HANDLED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -71,34 +70,9 @@ def _log_while_signalled(sig: signal.Signals) -> None:
         logger.removeHandler(handler)
 
 
-class _Handler(RendezvousHandler):
-    """A public rendezvous handler that is never asked to form a round here."""
-
-    def get_backend(self) -> str:
-        return "test"
-
-    def next_rendezvous(self) -> Any:
-        raise AssertionError("not used")
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return "test"
-
-    def shutdown(self) -> bool:
-        return True
-
-
 def _agent(stop: Stop, channel: NodeChannel) -> SlurmElasticAgent:
     spec = WorkerSpec(
-        role="trainer", local_world_size=1, rdzv_handler=_Handler(), entrypoint="true"
+        role="trainer", local_world_size=1, rdzv_handler=IdleHandler(), entrypoint="true"
     )
     return SlurmElasticAgent(
         spec=spec,

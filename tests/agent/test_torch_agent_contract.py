@@ -24,9 +24,9 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
 from slurm_elastic.agent.elastic_agent import SlurmElasticAgent
+from tests.agent.idle_handler import IdleHandler
 
 # name -> the parameters (after self) torch's method has; SlurmElasticAgent overrides
 # these and calls super() with the same arguments.
@@ -59,40 +59,12 @@ def test_each_called_hook_exists_in_torch_with_the_expected_signature(name: str)
     assert name not in SlurmElasticAgent.__dict__  # torch's own, not a copy
 
 
-class _Handler(RendezvousHandler):
-    """The smallest public rendezvous handler (never asked to form a round here)."""
-
-    def __init__(self, waiting: list[int]) -> None:
-        self.waiting = waiting
-
-    def get_backend(self) -> str:
-        return "contract"
-
-    def next_rendezvous(self) -> Any:
-        raise AssertionError("not used")
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return self.waiting.pop(0) if self.waiting else 0
-
-    def get_run_id(self) -> str:
-        return "contract"
-
-    def shutdown(self) -> bool:
-        return True
-
-
 def agent(max_restarts: int, states: list[WorkerState], waiting: list[int]) -> Any:
     """A real LocalElasticAgent whose worker side is replaced at the seam."""
     spec = WorkerSpec(
         role="trainer",
         local_world_size=1,
-        rdzv_handler=_Handler(waiting),
+        rdzv_handler=IdleHandler(waiting),
         entrypoint="true",
         max_restarts=max_restarts,
         monitor_interval=0.001,

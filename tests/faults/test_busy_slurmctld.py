@@ -7,8 +7,8 @@ controller carries the requeue out when it goes on. The agent tries again
 (:func:`slurm_elastic.agent.requeue.requeue_own`); a task found pending by a later try was
 requeued by the earlier one.
 
-The real-Slurm test stops the local cluster's slurmctld (SIGSTOP) for a little longer
-than ``MessageTimeout``; the outage is the fault itself, and the test always resumes it.
+The real-Slurm test stops the local cluster's slurmctld (SIGSTOP) until the agent's first
+try has failed (after ``MessageTimeout``), and always resumes it.
 The recorded-answer tests cover the answers the controller cannot be made to give here.
 """
 
@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,9 +106,8 @@ def test_a_requeue_during_a_slurmctld_outage_requeues_the_task_once(
     slurm_cluster: SlurmCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     if slurm_cluster.mode == "external":
-        pytest.skip(
-            reason="stops the controller: only on the local cluster of scripts/slurm-cluster"
-        )
+        why = "stops the controller: only on the local cluster of scripts/slurm-cluster"
+        pytest.skip(reason=why)
     cl = slurm_cluster.client
     job = cl.submit("#!/bin/bash\n#SBATCH --requeue\n#SBATCH --output=/dev/null\nsleep 600\n")
     try:
@@ -125,12 +123,17 @@ def test_a_requeue_during_a_slurmctld_outage_requeues_the_task_once(
                 target=lambda: outcome.append(requeue_own(ElasticConfig(), env, cl)), daemon=True
             )
             agent.start()
-            time.sleep(timeout + 2)  # the outage: past MessageTimeout, so the first try fails
+            # the outage lasts until the first try failed (after MessageTimeout)
+            wait_for(
+                lambda: "trying again" in caplog.text,
+                timeout + 30,
+                "the first requeue to fail while slurmctld is stopped",
+                interval=0.2,
+            )
         finally:
             os.kill(pid, signal.SIGCONT)
         wait_for(lambda: outcome, REQUEUE_RETRY_S + 60, "the requeue to end", interval=0.2)
         assert outcome == [True], caplog.text
-        assert "trying again" in caplog.text  # the first try failed in the outage
         info = cl.job_info(job)
         assert info.restarts == 1, f"requeued {info.restarts} times, not once: {info}"
     finally:
